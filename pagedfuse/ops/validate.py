@@ -1,0 +1,294 @@
+"""Argument checks shared by every implementation of the paged ops.
+
+Two tiers, as DESIGN.md asks:
+- ``check_metadata`` reads only shapes, dtypes, devices and strides. It is free, always on,
+  and also runs inside the fake (meta) implementations, so a bad call fails at trace time.
+- ``check_values`` reads tensor *values* (block ids, lengths). It runs eagerly for CPU
+  tensors and, for device tensors, only when ``PAGEDFUSE_CHECKS=1`` (it synchronizes).
+
+Every failure is a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong
+content) whose message starts with the argument's name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+ROW_ALIGN_BYTES = 16
+
+# head_dim each (op, device type) has a kernel for; None = any (the reference serves it).
+_HEAD_DIMS: dict[tuple[str, str], frozenset[int] | None] = {
+    ("paged_attention", "cpu"): frozenset({32, 64, 80, 96, 128, 160, 192, 256}),
+    ("paged_attention_int8", "cpu"): frozenset({64, 128, 256}),
+    ("paged_attention", "cuda"): frozenset({64, 128, 256}),
+    ("paged_attention_int8", "cuda"): frozenset({64, 128, 256}),
+}
+
+
+def supported_head_dims(op: str, device_type: str) -> frozenset[int] | None:
+    """The head dims ``op`` has a kernel for on ``device_type`` (None: any)."""
+    return _HEAD_DIMS.get((op, device_type))
+
+
+def head_dim_reason(op: str, device_type: str, head_dim: int) -> str | None:
+    """None when ``op`` supports ``head_dim`` on ``device_type``, else why not."""
+    dims = supported_head_dims(op, device_type)
+    if dims is None or head_dim in dims:
+        return None
+    listed = ", ".join(str(d) for d in sorted(dims))
+    return f"head_dim {head_dim} not in {{{listed}}} for {op} on {device_type}"
+
+
+def value_checks_enabled(device: torch.device) -> bool:
+    """Value checks are eager on CPU; elsewhere they sit behind PAGEDFUSE_CHECKS=1."""
+    return device.type == "cpu" or os.environ.get("PAGEDFUSE_CHECKS", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes every implementation needs, read off the shapes."""
+
+    num_tokens: int
+    num_q_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    batch: int
+    max_blocks: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _static(values: tuple) -> bool:
+    """True when every size/stride is a plain int (symbolic ones are left to run time, so a
+    trace-time check never adds a guard)."""
+    return all(isinstance(v, int) for v in values)
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(t.shape)}")
+
+
+def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} not in ({names})")
+
+
+def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but query is on {device}")
+
+
+def check_strides(name: str, t: torch.Tensor, fake: bool = False) -> None:
+    """Innermost dim contiguous, rows 16-byte aligned, and no two elements sharing memory."""
+    if not _static((*t.shape, *t.stride())) or t.numel() == 0:
+        return
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: innermost dim must be contiguous (stride 1), "
+                         f"got strides {tuple(t.stride())}")
+    item = t.element_size()
+    for dim in range(t.dim() - 1):
+        if t.shape[dim] > 1 and (t.stride(dim) * item) % ROW_ALIGN_BYTES:
+            raise ValueError(f"{name}: stride {t.stride(dim)} of dim {dim} is not a multiple "
+                             f"of {ROW_ALIGN_BYTES} bytes (rows must be 16-byte aligned)")
+    if not fake and t.data_ptr() % ROW_ALIGN_BYTES:
+        raise ValueError(f"{name}: data pointer is not {ROW_ALIGN_BYTES}-byte aligned")
+    extent = 0  # largest offset reachable through the dims already placed
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride <= extent:
+            raise ValueError(f"{name}: overlapping strides {tuple(t.stride())} for shape "
+                             f"{tuple(t.shape)} (two elements would share memory)")
+        extent += stride * (size - 1)
+
+
+def _check_scale_tensor(name: str, s: torch.Tensor, cache: torch.Tensor, dev: torch.device,
+                        fake: bool) -> None:
+    _tensor(name, s)
+    _rank(name, s, 3, "[num_blocks, block_size, num_kv_heads]")
+    _dtype(name, s, (torch.float32,))
+    _device(name, s, dev)
+    if _static((*s.shape, *cache.shape[:3])) and tuple(s.shape) != tuple(cache.shape[:3]):
+        raise ValueError(f"{name}: shape {tuple(s.shape)} must be {tuple(cache.shape[:3])} "
+                         "([num_blocks, block_size, num_kv_heads] of the cache)")
+    if not fake and s.numel() and s.data_ptr() % 4:
+        raise ValueError(f"{name}: data pointer is not 4-byte aligned")
+
+
+def check_metadata(
+    op: str,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    attn_bias: torch.Tensor | None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    fake: bool = False,
+) -> Geometry:
+    """Shape/dtype/device/stride checks for ``op``; returns the geometry."""
+    int8 = op == "paged_attention_int8"
+    _tensor("query", query)
+    _tensor("key_cache", key_cache)
+    _tensor("value_cache", value_cache)
+    _tensor("block_table", block_table)
+    _tensor("seq_lens", seq_lens)
+    _tensor("query_start_loc", query_start_loc)
+    _rank("query", query, 3, "[num_tokens, num_q_heads, head_dim]")
+    _rank("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    _rank("value_cache", value_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    _rank("block_table", block_table, 2, "[batch, max_blocks]")
+    _rank("seq_lens", seq_lens, 1, "[batch]")
+    _rank("query_start_loc", query_start_loc, 1, "[batch + 1]")
+
+    _dtype("query", query, FLOAT_DTYPES)
+    if int8:
+        _dtype("key_cache", key_cache, (torch.int8,))
+        if value_cache.dtype == torch.int8:
+            if value_scale is None:
+                raise ValueError("value_scale: required when value_cache is int8")
+        else:
+            _dtype("value_cache", value_cache, (query.dtype, torch.int8))
+            if value_scale is not None:
+                raise ValueError("value_scale: must be None when value_cache is "
+                                 f"{str(value_cache.dtype).removeprefix('torch.')}")
+    else:
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if cache.dtype != query.dtype:
+                raise TypeError(f"{name}: dtype {str(cache.dtype).removeprefix('torch.')} must "
+                                f"match query's {str(query.dtype).removeprefix('torch.')}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        _dtype(name, t, INDEX_DTYPES)
+
+    dev = query.device
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_table", block_table), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        _device(name, t, dev)
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, k_dim = key_cache.shape
+    if _static((*value_cache.shape, *key_cache.shape)) and \
+            tuple(value_cache.shape) != tuple(key_cache.shape):
+        raise ValueError(f"value_cache: shape {tuple(value_cache.shape)} must equal key_cache's "
+                         f"{tuple(key_cache.shape)}")
+    if _static((k_dim, head_dim)) and k_dim != head_dim:
+        raise ValueError(f"key_cache: head_dim {k_dim} must equal query's head_dim {head_dim}")
+    if _static((block_size,)) and block_size < 1:
+        raise ValueError(f"key_cache: block_size must be >= 1, got {block_size}")
+    if _static((num_q_heads, num_kv_heads)) and (num_kv_heads < 1 or num_q_heads % num_kv_heads):
+        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of key_cache's "
+                         f"num_kv_heads {num_kv_heads} (GQA needs Hq % Hkv == 0)")
+    reason = _static((head_dim,)) and head_dim_reason(op, dev.type, head_dim)
+    if reason:
+        raise ValueError(f"query: {reason}")
+    batch, max_blocks = block_table.shape
+    if _static((batch, seq_lens.shape[0])) and seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens: length {seq_lens.shape[0]} must equal block_table's "
+                         f"batch {batch}")
+    if _static((batch, query_start_loc.shape[0])) and query_start_loc.shape[0] != batch + 1:
+        raise ValueError(f"query_start_loc: length {query_start_loc.shape[0]} must be batch + 1 "
+                         f"= {batch + 1}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
+        raise ValueError(f"scale: must be a finite non-zero float, got {scale!r}")
+
+    check_strides("query", query, fake)
+    check_strides("key_cache", key_cache, fake)
+    check_strides("value_cache", value_cache, fake)
+    if int8:
+        if key_scale is None:
+            raise ValueError("key_scale: required by paged_attention_int8")
+        _check_scale_tensor("key_scale", key_scale, key_cache, dev, fake)
+        if value_scale is not None:
+            _check_scale_tensor("value_scale", value_scale, value_cache, dev, fake)
+
+    if attn_bias is not None:
+        _tensor("attn_bias", attn_bias)
+        if attn_bias.dtype != torch.bool:
+            _dtype("attn_bias", attn_bias, (torch.bool, *FLOAT_DTYPES))
+        _device("attn_bias", attn_bias, dev)
+        if attn_bias.dim() > 4 or attn_bias.dim() < 2:
+            raise ValueError("attn_bias: must have 2 to 4 dims broadcastable to "
+                             f"[batch, num_q_heads, max_q_len, max_seq_len], got "
+                             f"shape {tuple(attn_bias.shape)}")
+        lead = (1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape)
+        if _static((*lead[:2], batch, num_q_heads)) and (
+                lead[0] not in (1, batch) or lead[1] not in (1, num_q_heads)):
+            raise ValueError(f"attn_bias: shape {tuple(attn_bias.shape)} does not broadcast to "
+                             f"[batch={batch}, num_q_heads={num_q_heads}, max_q_len, max_seq_len]")
+    return Geometry(num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads,
+                    batch, max_blocks)
+
+
+def check_values(
+    geo: Geometry,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+) -> None:
+    """Checks of tensor values, vectorised (a min/max, not a Python loop)."""
+    if geo.batch == 0:
+        return
+    sl = seq_lens.to(torch.int64)
+    qsl = query_start_loc.to(torch.int64)
+    if int(sl.min()) < 0:
+        raise ValueError(f"seq_lens: entries must be >= 0, got min {int(sl.min())}")
+    capacity = geo.max_blocks * geo.block_size
+    if int(sl.max()) > capacity:
+        raise ValueError(f"seq_lens: max {int(sl.max())} exceeds the block table's capacity "
+                         f"{geo.max_blocks} blocks x {geo.block_size} = {capacity}")
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc: must start at 0, got {int(qsl[0])}")
+    q_lens = qsl[1:] - qsl[:-1]
+    if int(q_lens.min()) < 0:
+        raise ValueError("query_start_loc: must be non-decreasing")
+    if int(qsl[-1]) != geo.num_tokens:
+        raise ValueError(f"query_start_loc: last entry {int(qsl[-1])} must equal query's "
+                         f"num_tokens {geo.num_tokens}")
+    if bool((q_lens > sl).any()):
+        b = int(torch.nonzero(q_lens > sl)[0, 0])
+        raise ValueError(f"query_start_loc: sequence {b} has {int(q_lens[b])} query tokens but "
+                         f"seq_lens[{b}] = {int(sl[b])} keys (queries are the last keys)")
+    used_blocks = (sl + geo.block_size - 1) // geo.block_size
+    in_use = torch.arange(geo.max_blocks, device=sl.device)[None, :] < used_blocks[:, None]
+    if bool(in_use.any()):
+        used = block_table.to(torch.int64)[in_use]
+        lo, hi = int(used.min()), int(used.max())
+        if lo < 0 or hi >= geo.num_blocks:
+            raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside the "
+                             f"cache's {geo.num_blocks} blocks")
+    longest, longest_q = int(sl.max()), int(q_lens.max())
+    if max_seq_len is not None and max_seq_len < longest:
+        raise ValueError(f"max_seq_len: hint {max_seq_len} < longest sequence {longest}")
+    if max_query_len is not None and max_query_len < longest_q:
+        raise ValueError(f"max_query_len: hint {max_query_len} < longest query {longest_q}")
+    if attn_bias is not None:
+        rows, cols = attn_bias.shape[-2], attn_bias.shape[-1]
+        if rows != 1 and rows < longest_q:
+            raise ValueError(f"attn_bias: {rows} query rows, but a sequence has {longest_q} "
+                             "query tokens")
+        if cols != 1 and cols < longest:
+            raise ValueError(f"attn_bias: {cols} key columns, but a sequence has {longest} keys")
