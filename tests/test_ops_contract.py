@@ -1,0 +1,323 @@
+"""The op contract: opcheck, the reference against an independent float64 oracle, bad inputs."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse.ops import paged_attention_reference, quantize_int8_reference
+
+OPS = torch.ops.pagedfuse
+
+
+def brute_force(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                causal,
+                bias=None, key_scale=None, value_scale=None):
+    """Token by token, head by head, key by key through the block table, in float64."""
+    qsl = query_start_loc
+    T, Hq, D = query.shape
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    for b in range(block_table.shape[0]):
+        L = int(seq_lens[b])
+        q0, q1 = int(qsl[b]), int(qsl[b + 1])
+        for i, t in enumerate(range(q0, q1)):
+            for h in range(Hq):
+                kv = h // (Hq // Hkv)
+                q = query[t, h].double()
+                if key_scale is not None:  # the INT8 op quantizes the query per token/head
+                    qs = q.abs().max() / 127
+                    q = torch.round(q / qs).clamp(-127, 127) * qs if qs > 0 else q * 0
+                logits, values = [], []
+                for j in range(L):
+                    blk, slot = int(block_table[b, j // bs]), j % bs
+                    k = key_cache[blk, slot, kv].double()
+                    v = value_cache[blk, slot, kv].double()
+                    if key_scale is not None:
+                        k = k * float(key_scale[blk, slot, kv])
+                    if value_scale is not None:
+                        v = v * float(value_scale[blk, slot, kv])
+                    s = float(q @ k) * scale
+                    if causal and j > L - (q1 - q0) + i:
+                        s = -math.inf
+                    if bias is not None:
+                        e = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0,
+                                 i if bias.shape[2] > 1 else 0, j if bias.shape[3] > 1 else 0]
+                        s = (s if bool(e) else -math.inf) if e.dtype == torch.bool else s + float(e)
+                    logits.append(s)
+                    values.append(v)
+                m = max(logits, default=-math.inf)
+                if m == -math.inf:
+                    continue
+                w = [math.exp(s - m) for s in logits]
+                out[t, h] = sum(wi * vi for wi, vi in zip(w, values, strict=True)) / sum(w)
+    return out
+
+
+def make_case(B=3, Hq=8, Hkv=2, D=64, block_size=4, num_blocks=24, q_lens=(1, 3, 2),
+              seq_lens=(5, 11, 7), dtype=torch.float32, index_dtype=torch.int32, hnd=False,
+              seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(q_lens)
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    shape = (num_blocks, Hkv, block_size, D) if hnd else (num_blocks, block_size, Hkv, D)
+    kc = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    vc = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    if hnd:
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    perm = torch.randperm(num_blocks, generator=g)[: B * max_blocks]
+    return dict(
+        query=torch.randn(T, Hq, D, generator=g).to(dtype),
+        key_cache=kc,
+        value_cache=vc,
+        block_table=perm.reshape(B, max_blocks).to(index_dtype),
+        seq_lens=torch.tensor(seq_lens, dtype=index_dtype),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=index_dtype),
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hnd", [False, True])
+def test_reference_matches_brute_force(causal, hnd):
+    c = make_case(hnd=hnd, seed=1 + causal + 2 * hnd)
+    want = brute_force(**c, scale=0.2, causal=causal)
+    got = paged_attention_reference(**c, scale=0.2, causal=causal, compute_dtype=torch.float64)
+    assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
+
+
+@pytest.mark.parametrize("bias_kind", ["bool", "float"])
+def test_reference_bias_matches_brute_force(bias_kind):
+    c = make_case(seed=3)
+    g = torch.Generator().manual_seed(4)
+    if bias_kind == "bool":
+        bias = torch.rand(3, 1, 3, 11, generator=g) > 0.3
+        bias[..., 0] = True  # keep one key per row so no row is fully masked
+    else:
+        bias = torch.randn(1, 8, 3, 11, generator=g)
+    want = brute_force(**c, scale=0.3, causal=False, bias=bias)
+    got = paged_attention_reference(**c, scale=0.3, causal=False, attn_bias=bias,
+                                     compute_dtype=torch.float64)
+    assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
+
+
+def test_reference_int8_matches_brute_force():
+    c = make_case(seed=5)
+    kq, ks = quantize_int8_reference(c["key_cache"])
+    vq, vs = quantize_int8_reference(c["value_cache"])
+    c.update(key_cache=kq, value_cache=vq)
+    want = brute_force(**c, scale=0.125, causal=True, key_scale=ks, value_scale=vs)
+    got = paged_attention_reference(**c, scale=0.125, causal=True, key_scale=ks, value_scale=vs,
+                                    compute_dtype=torch.float64)
+    assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
+
+
+def test_fully_masked_rows_are_zero():
+    c = make_case(seed=6)
+    bias = torch.ones(3, 1, 3, 11, dtype=torch.bool)
+    bias[1] = False
+    out = OPS.paged_attention(**c, scale=0.1, causal=False, attn_bias=bias)
+    assert torch.equal(out[1:4], torch.zeros_like(out[1:4]))
+    assert out[0].abs().sum() > 0 and out[4:].abs().sum() > 0
+
+
+def test_quantize_int8_reference_semantics():
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0], [0.0, 0.0, 0.0, 0.0], [-254.0, 1.0, 3.0, 2.0]])
+    q, s = OPS.quantize_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (3,)
+    assert s.tolist() == [1.0, 0.0, 2.0]
+    assert q.tolist() == [[1, -2, 0, 127], [0, 0, 0, 0], [-127, 0, 2, 1]]  # half to even
+
+
+def test_int8_op_tracks_unquantized_attention():
+    c = make_case(D=128, seq_lens=(40, 64, 33), num_blocks=64, seed=7)
+    exact = paged_attention_reference(**c, scale=128 ** -0.5, causal=True)
+    kq, ks = OPS.quantize_int8(c["key_cache"])
+    vq, vs = OPS.quantize_int8(c["value_cache"])
+    out = OPS.paged_attention_int8(c["query"], kq, vq, ks, vs, *list(c.values())[3:],
+                                   scale=128 ** -0.5, causal=True)
+    assert rel_err(out, exact) <= 1.2e-2
+
+
+# --- opcheck (schema, fake impl, autograd registration, dynamic shapes) ---------------------
+
+def _float_args(c):
+    return (c["query"], c["key_cache"], c["value_cache"], c["block_table"], c["seq_lens"],
+            c["query_start_loc"], 0.125, True)
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_opcheck_paged_attention(hnd):
+    c = make_case(hnd=hnd, seed=8)
+    opcheck(OPS.paged_attention.default, _float_args(c))
+    bias = torch.randn(3, 8, 3, 11)
+    opcheck(OPS.paged_attention.default, _float_args(c), {"attn_bias": bias, "max_seq_len": 11})
+
+
+def test_opcheck_paged_attention_int8():
+    c = make_case(seed=9)
+    kq, ks = OPS.quantize_int8(c["key_cache"])
+    vq, vs = OPS.quantize_int8(c["value_cache"])
+    base = _float_args(c)
+    opcheck(OPS.paged_attention_int8.default, (base[0], kq, vq, ks, vs, *base[3:]))
+    opcheck(OPS.paged_attention_int8.default, (base[0], kq, c["value_cache"], ks, None, *base[3:]))
+
+
+def test_opcheck_quantize_int8():
+    opcheck(OPS.quantize_int8.default, (torch.randn(5, 3, 64),))
+    opcheck(OPS.quantize_int8.default, (torch.randn(7, 128, dtype=torch.bfloat16),))
+
+
+def test_compiles_with_dynamic_shapes_without_recompiling():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def f(q, kc, vc, bt, sl, qsl):
+        return OPS.paged_attention(q, kc, vc, bt, sl, qsl, 0.125, False)
+
+    for B, L in ((5, 26), (6, 37), (9, 45)):  # sizes unlike any other dim (duck sizing)
+        c = make_case(B=B, q_lens=(1,) * B, seq_lens=(L,) * B, num_blocks=128, seed=B)
+        got = f(*(c[k] for k in ("query", "key_cache", "value_cache", "block_table",
+                                 "seq_lens", "query_start_loc")))
+        want = paged_attention_reference(**c, scale=0.125, causal=False)
+        assert rel_err(got, want) < 1e-5
+    assert counter.frame_count == 1
+
+
+# --- bad inputs: each raises an error naming the argument ------------------------------------
+
+def _call(c, **over):
+    args = {**c, "scale": 0.1, "causal": False, **over}
+    return OPS.paged_attention(**args)
+
+
+BAD_INPUTS = [
+    ("query rank", lambda c: {"query": c["query"][0]}, ValueError, "query: expected rank 3"),
+    ("query dtype", lambda c: {"query": c["query"].int()}, TypeError, "query: dtype int32"),
+    ("cache dtype", lambda c: {"key_cache": c["key_cache"].half()}, TypeError,
+     "key_cache: dtype float16 must match"),
+    ("cache rank", lambda c: {"value_cache": c["value_cache"][0]}, ValueError,
+     "value_cache: expected rank 4"),
+    ("value shape", lambda c: {"value_cache": c["value_cache"][:5]}, ValueError,
+     "value_cache: shape"),
+    ("head_dim mismatch", lambda c: {"query": torch.randn(6, 8, 32)}, ValueError,
+     "key_cache: head_dim 64 must equal"),
+    ("gqa ratio", lambda c: {"query": torch.randn(6, 3, 64)}, ValueError,
+     "query: num_q_heads 3 is not a multiple"),
+    ("block_table dtype", lambda c: {"block_table": c["block_table"].float()}, TypeError,
+     "block_table: dtype float32"),
+    ("block_table rank", lambda c: {"block_table": c["block_table"].flatten()}, ValueError,
+     "block_table: expected rank 2"),
+    ("block id too large", lambda c: {"block_table": c["block_table"] + 24}, ValueError,
+     "block_table: entries in use span"),
+    ("negative block id", lambda c: {"block_table": c["block_table"] - 30}, ValueError,
+     "block_table: entries in use span"),
+    ("seq_lens beyond capacity", lambda c: {"seq_lens": torch.tensor([5, 13, 7])}, ValueError,
+     "seq_lens: max 13 exceeds the block table's capacity"),
+    ("negative seq_len", lambda c: {"seq_lens": torch.tensor([5, -1, 7])}, ValueError,
+     "seq_lens: entries must be >= 0"),
+    ("seq_lens length", lambda c: {"seq_lens": torch.tensor([5, 11])}, ValueError,
+     "seq_lens: length 2 must equal"),
+    ("qsl decreasing", lambda c: {"query_start_loc": torch.tensor([0, 4, 3, 6])}, ValueError,
+     "query_start_loc: must be non-decreasing"),
+    ("qsl start", lambda c: {"query_start_loc": torch.tensor([1, 2, 5, 6])}, ValueError,
+     "query_start_loc: must start at 0"),
+    ("qsl end", lambda c: {"query_start_loc": torch.tensor([0, 1, 4, 5])}, ValueError,
+     "query_start_loc: last entry 5 must equal"),
+    ("qsl length", lambda c: {"query_start_loc": torch.tensor([0, 6])}, ValueError,
+     "query_start_loc: length 2 must be batch + 1"),
+    ("more queries than keys", lambda c: {"seq_lens": torch.tensor([5, 2, 7])}, ValueError,
+     "query_start_loc: sequence 1 has 3 query tokens"),
+    ("device", lambda c: {"seq_lens": c["seq_lens"].to("meta")}, ValueError,
+     "seq_lens: on meta"),
+    ("not a tensor", lambda c: {"block_table": [[0, 1]]}, RuntimeError,
+     "for argument 'block_table' but instead found type 'list'"),
+    ("misaligned rows", lambda c: {"query": torch.randn(6, 8, 65)[..., :64]}, ValueError,
+     "query: stride 65 of dim 1 is not a multiple of 16 bytes"),
+    ("non-contiguous innermost", lambda c: {"query": torch.randn(6, 64, 8).transpose(1, 2)},
+     ValueError, "query: innermost dim must be contiguous"),
+    ("overlapping strides", lambda c: {
+        "key_cache": torch.randn(24, 1, 2, 64).expand(24, 4, 2, 64)}, ValueError,
+     "key_cache: overlapping strides"),
+    ("bias rank", lambda c: {"attn_bias": torch.randn(11)}, ValueError,
+     "attn_bias: must have 2 to 4 dims"),
+    ("bias batch", lambda c: {"attn_bias": torch.randn(2, 1, 3, 11)}, ValueError,
+     "attn_bias: shape (2, 1, 3, 11) does not broadcast"),
+    ("bias too short", lambda c: {"attn_bias": torch.randn(3, 1, 3, 8)}, ValueError,
+     "attn_bias: 8 key columns"),
+    ("bias dtype", lambda c: {"attn_bias": torch.ones(3, 1, 3, 11, dtype=torch.int32)},
+     TypeError, "attn_bias: dtype int32"),
+    ("scale", lambda c: {"scale": float("nan")}, ValueError, "scale: must be a finite"),
+    ("max_seq_len hint", lambda c: {"max_seq_len": 4}, ValueError,
+     "max_seq_len: hint 4 < longest sequence 11"),
+]
+
+
+@pytest.mark.parametrize("name,override,exc,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_names_the_argument(name, override, exc, message):
+    c = make_case(seed=10)
+    with pytest.raises(exc, match=re.escape(message)):
+        _call(c, **override(c))
+
+
+def test_bad_input_caught_at_trace_time():
+    """Shape errors surface from the fake impl, before any kernel runs."""
+    c = make_case(seed=11)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in c.items()}
+        with pytest.raises(ValueError, match="query: num_q_heads 3 is not a multiple"):
+            _call(fake, query=torch.empty(6, 3, 64))
+
+
+@pytest.mark.parametrize("case", ["key_scale missing", "key_scale shape", "value_scale missing",
+                                  "value_scale with float V", "key not int8", "head_dim"])
+def test_bad_int8_inputs(case):
+    c = make_case(seed=12)
+    kq, ks = OPS.quantize_int8(c["key_cache"])
+    vq, vs = OPS.quantize_int8(c["value_cache"])
+    args = dict(query=c["query"], key_cache=kq, value_cache=vq, key_scale=ks, value_scale=vs)
+    expect = {
+        "key_scale missing": (ValueError, "key_scale: required by paged_attention_int8"),
+        "key_scale shape": (ValueError, r"key_scale: shape \(24, 4, 1\) must be \(24, 4, 2\)"),
+        "value_scale missing": (ValueError, "value_scale: required when value_cache is int8"),
+        "value_scale with float V": (ValueError, "value_scale: must be None when value_cache"),
+        "key not int8": (TypeError, "key_cache: dtype float32 not in"),
+        "head_dim": (ValueError, r"query: head_dim 32 not in \{64, 128, 256\} for "
+                                 "paged_attention_int8 on cpu"),
+    }[case]
+    if case == "key_scale missing":
+        args["key_scale"] = None
+    elif case == "key_scale shape":
+        args["key_scale"] = ks[..., :1]
+    elif case == "value_scale missing":
+        args["value_scale"] = None
+    elif case == "value_scale with float V":
+        args["value_cache"] = c["value_cache"]
+    elif case == "key not int8":
+        args["key_cache"] = c["key_cache"]
+    else:
+        args = dict(query=c["query"][..., :32].contiguous(), key_cache=kq[..., :32].contiguous(),
+                    value_cache=vq[..., :32].contiguous(), key_scale=ks, value_scale=vs)
+    with pytest.raises(expect[0], match=expect[1]):
+        OPS.paged_attention_int8(**args, block_table=c["block_table"], seq_lens=c["seq_lens"],
+                                 query_start_loc=c["query_start_loc"], scale=0.1, causal=False)
+
+
+def test_quantize_bad_input():
+    with pytest.raises(TypeError, match="x: dtype int32"):
+        OPS.quantize_int8(torch.ones(3, 4, dtype=torch.int32))
