@@ -1,0 +1,152 @@
+"""The paged decoder against a dense, cache-free float32 forward of the same weights, and the
+block manager's bookkeeping."""
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedfuse.models import (
+    PRESETS,
+    PagedDecoder,
+    PagedKVCache,
+    dense_reference_logits,
+    generate,
+    preset,
+)
+
+BATCH, PROMPT_LEN, STEPS, BLOCK_SIZE = 2, 6, 4, 4  # 10 tokens over 3 blocks per sequence
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).abs().max() / expected.abs().max()).item()
+
+
+def _prompts(vocab: int, batch: int = BATCH, length: int = PROMPT_LEN) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(7))
+
+
+def _run_against_reference(config, reference_model=None):
+    """Greedy generation with the paged model; the dense reference on the same tokens."""
+    model = PagedDecoder(config, seed=3)
+    gen = generate(model, _prompts(config.vocab_size), STEPS)
+    ref = dense_reference_logits(reference_model or model, gen.tokens[:, :-1])
+    assert gen.logits.shape == ref.shape == (BATCH, PROMPT_LEN + STEPS, config.vocab_size)
+    return gen, ref
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("kv_cache, tol", [("fp32", 1e-4), ("bf16", 3e-2)])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_paged_logits_match_dense_reference(name, kv_cache, tol, layout):
+    config = preset(name, kv_cache=kv_cache, layout=layout, block_size=BLOCK_SIZE)
+    gen, ref = _run_against_reference(config)
+    assert gen.logits.dtype == config.activation_dtype
+    assert _rel_err(gen.logits, ref) <= tol
+    assert torch.equal(gen.tokens[:, PROMPT_LEN:], gen.logits[:, PROMPT_LEN - 1:].argmax(-1))
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_int8_cache_close_to_unquantized_model(name, layout):
+    config = preset(name, kv_cache="int8", layout=layout, block_size=BLOCK_SIZE)
+    unquantized = PagedDecoder(preset(name, block_size=BLOCK_SIZE), seed=3)
+    gen, ref = _run_against_reference(config, reference_model=unquantized)
+    err = _rel_err(gen.logits, ref)
+    assert 0 < err <= 5e-2  # > 0: the cache really is quantized
+    top1 = (gen.logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert top1 >= 0.9
+
+
+@pytest.mark.parametrize("kv_cache, tol", [("fp32", 1e-4), ("int8", 5e-2)])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_alibi_matches_dense_reference(name, kv_cache, tol):
+    config = preset(name, alibi=True, kv_cache=kv_cache, block_size=BLOCK_SIZE)
+    unquantized = PagedDecoder(preset(name, alibi=True, block_size=BLOCK_SIZE), seed=3)
+    gen, ref = _run_against_reference(config, reference_model=unquantized)
+    assert _rel_err(gen.logits, ref) <= tol
+    rope_ref = dense_reference_logits(PagedDecoder(preset(name, block_size=BLOCK_SIZE), seed=3),
+                                      gen.tokens[:, :-1])
+    assert _rel_err(rope_ref, ref) > 1e-2  # ALiBi really replaces RoPE
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_int8_cache_storage(layout):
+    config = preset("tinyllama", kv_cache="int8", layout=layout, block_size=BLOCK_SIZE)
+    cache = PagedKVCache(config, batch=2, max_len=9)
+    pages, scales = (3 * 2, BLOCK_SIZE, 4, 64), (3 * 2, BLOCK_SIZE, 4)
+    if layout == "hnd":
+        pages, scales = (6, 4, BLOCK_SIZE, 64), (6, 4, BLOCK_SIZE)
+    for layer in cache.layers:
+        assert layer.key.dtype == layer.value.dtype == torch.int8
+        assert layer.key.shape == layer.value.shape == pages
+        assert layer.key_scale.dtype == layer.value_scale.dtype == torch.float32
+        assert layer.key_scale.shape == layer.value_scale.shape == scales
+
+
+def test_block_manager_metadata():
+    config = preset("llama3", block_size=BLOCK_SIZE)
+    cache = PagedKVCache(config, batch=3, max_len=11, seed=5)
+    prefill = cache.append(_prompts(config.vocab_size, batch=3, length=5))
+    assert prefill.block_table.shape == (3, 3) and prefill.block_table.dtype == torch.int32
+    assert prefill.seq_lens.tolist() == [5, 5, 5]
+    assert prefill.positions.tolist() == [list(range(5))] * 3
+    for _ in range(3):
+        decode = cache.append(torch.tensor([[1], [2], [3]]))
+    assert decode.block_table.shape == (3, 3)  # width fixed: every decode step is one graph
+    assert decode.seq_lens.tolist() == [8, 8, 8]
+    assert decode.positions.tolist() == [[7]] * 3
+    used = [row[:2] for row in decode.block_table.tolist()]
+    flat = [block for row in used for block in row]
+    assert len(set(flat)) == len(flat)  # no block shared between sequences
+    assert flat != sorted(flat)  # shuffled: not an identity table
+    expected_slots = [row[7 // BLOCK_SIZE] * BLOCK_SIZE + 7 % BLOCK_SIZE for row in used]
+    assert decode.slot_mapping.tolist() == expected_slots
+    prefill_slots = prefill.slot_mapping.view(3, 5).tolist()
+    assert prefill_slots[1] == [used[1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                                for p in range(5)]
+    with pytest.raises(ValueError, match="^tokens: sequence 0 would hold 13 tokens"):
+        cache.append(torch.zeros(3, 5, dtype=torch.int64))
+
+
+def test_config_errors_name_the_argument():
+    with pytest.raises(ValueError, match="^preset: 'gpt5'"):
+        preset("gpt5")
+    with pytest.raises(ValueError, match="^kv_cache: 'fp8'"):
+        preset("tinyllama", kv_cache="fp8")
+    with pytest.raises(ValueError, match="^layout: 'nchw'"):
+        preset("tinyllama", layout="nchw")
+    with pytest.raises(ValueError, match="^dtype: "):
+        preset("tinyllama", kv_cache="bf16", dtype=torch.float32)
+    assert preset("tinyllama", kv_cache="int8", dtype=torch.bfloat16).cache_dtype == torch.int8
+
+
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_compiled_graphs_hold_the_paged_attention_and_stay_dynamic(kv_cache):
+    """One graph for prefill, one for every decode step; then a new batch size and prompt
+    length compile once more (automatic dynamic) and a third shape reuses those graphs."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = preset("tinyllama", kv_cache=kv_cache, block_size=BLOCK_SIZE)
+    model = PagedDecoder(config, seed=3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture)
+    for batch, prompt_len, expected_graphs in ((2, 6, 2), (3, 9, 4), (5, 13, 4)):
+        prompts = _prompts(config.vocab_size, batch, prompt_len)
+        eager = generate(model, prompts, STEPS)
+        traced = generate(model, prompts, STEPS, forward=compiled)
+        torch.testing.assert_close(traced.logits, eager.logits, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == expected_graphs
+    writes_per_layer = 4 if kv_cache == "int8" else 2  # K, V (and their scales)
+    for gm in graphs:
+        calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+        assert calls[F.scaled_dot_product_attention] == config.num_layers
+        assert calls[F.linear] == 7 * config.num_layers + 1
+        setitems = [n for n in gm.graph.nodes if n.target is operator.setitem]
+        assert len(setitems) == writes_per_layer * config.num_layers
