@@ -1,0 +1,394 @@
+"""Paged bf16/INT8 decode on the GPU: pagedfuse's Triton kernels against the peers.
+
+Geometries (Hq, Hkv, D) x batch x context, page 16, random block permutation, bf16. Each
+row times, side by side in one run: eager gather + SDPA, the same under torch.compile
+(inductor), SDPA on already-contiguous K/V (best of cuDNN and flash: the proxy for the
+physical limit), naive INT8 dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
+K+V and INT8 K + bf16 V. Times are medians (triton.testing.do_bench, L2 flushed between
+calls); B=1 is also timed under CUDA graph replay. "floor" = bytes that must be read / the
+copy bandwidth measured in the same run.
+
+    python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
+    python benchmarks/bench_decode.py --sweep     # tile / split sweeps for tuning
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse.ops import cuda as pf_cuda
+
+GEOMETRIES = {"qwen35": (24, 4, 256), "tinyllama": (32, 4, 64), "llama3_8b": (32, 8, 128)}
+BATCHES = (1, 8, 64)
+LENGTHS = (1536, 8192, 32768)
+PAGE = 16
+MEMORY_LIMIT = 60e9
+OPS = torch.ops.pagedfuse
+
+
+def copy_bandwidth(gb: float = 4.0) -> float:
+    """Device-to-device copy: bytes read + written per second (the ceiling)."""
+    src = torch.randn(int(gb * 1e9 / 4), device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=200,
+                                 return_mode="median")
+    return 2 * gb * 1e9 / (ms * 1e-3)
+
+
+class Case:
+    """One (geometry, B, L) problem on the GPU, all layouts the methods need."""
+
+    def __init__(self, geo: tuple[int, int, int], batch: int, length: int):
+        hq, hkv, d = geo
+        self.geo, self.batch, self.length = geo, batch, length
+        self.scale = 1.0 / math.sqrt(d)
+        blocks = batch * length // PAGE
+        self.table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        self.k = torch.randn(blocks, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn_like(self.k)
+        self.q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        self.seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+        self.starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        self.k8, self.ks = OPS.quantize_int8(self.k)
+        self.v8, self.vs = OPS.quantize_int8(self.v)
+        # [B, Hkv, L, D] contiguous: what a non-paged cache would hold
+        self.k_contig = _gather(self.k, self.table).contiguous()
+        self.v_contig = _gather(self.v, self.table).contiguous()
+
+    def bytes(self, kind: str) -> int:
+        """K/V (and scale) bytes that must be read: the floor's numerator."""
+        hq, hkv, d = self.geo
+        tokens = self.batch * self.length * hkv
+        per_token = {"bf16": 4 * d, "int8_kv": 2 * d + 8, "int8_k": d + 4 + 2 * d}[kind]
+        return tokens * per_token
+
+    def methods(self, compiled: dict[str, Callable]) -> dict[str, tuple[str, Callable]]:
+        """name -> (floor kind, zero-argument callable)."""
+        tail = (*self.block_args, self.scale, False, None, self.length, 1)
+        return {
+            "eager gather+SDPA": ("bf16", lambda: gather_sdpa(self.q, self.k, self.v,
+                                                              self.table, self.scale)),
+            "inductor gather+SDPA": ("bf16", lambda: compiled["gather"](
+                self.q, self.k, self.v, self.table, self.scale)),
+            "naive INT8 inductor": ("int8_kv", lambda: compiled["int8"](
+                self.q, self.k8, self.ks, self.v8, self.vs, self.table, self.scale)),
+            "pagedfuse bf16": ("bf16", lambda: OPS.paged_attention(
+                self.q, self.k, self.v, *tail)),
+            "pagedfuse INT8 K+V": ("int8_kv", lambda: OPS.paged_attention_int8(
+                self.q, self.k8, self.v8, self.ks, self.vs, *tail)),
+            "pagedfuse INT8 K": ("int8_k", lambda: OPS.paged_attention_int8(
+                self.q, self.k8, self.v, self.ks, None, *tail)),
+        }
+
+    @property
+    def block_args(self):
+        return self.table, self.seq_lens, self.starts
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[nb, bs, H, D] cache through [B, n] table -> [B, H, n*bs, D] (a view after the copy)."""
+    return cache[table].flatten(1, 2).transpose(1, 2)
+
+
+def gather_sdpa(q, k_cache, v_cache, table, scale):
+    """What a user writes: gather the pages, then SDPA with GQA."""
+    k, v = _gather(k_cache, table), _gather(v_cache, table)
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+
+
+def int8_sdpa(q, k8, ks, v8, vs, table, scale):
+    """Naive INT8: dequantize the gathered pages to bf16, then SDPA."""
+    k = (k8[table].to(q.dtype) * ks[table][..., None].to(q.dtype)).flatten(1, 2).transpose(1, 2)
+    v = (v8[table].to(q.dtype) * vs[table][..., None].to(q.dtype)).flatten(1, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+
+
+def contiguous_sdpa(q4, k, v, scale, backends=(SDPBackend.CUDNN_ATTENTION,
+                                               SDPBackend.FLASH_ATTENTION)):
+    with sdpa_kernel(list(backends)):
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale)
+
+
+def best_contiguous(case: Case, reps: dict) -> dict[str, float]:
+    """Median µs of cuDNN and of flash on contiguous K/V (those that run)."""
+    hq, hkv, d = case.geo
+    q4 = case.q.view(case.batch, hkv, hq // hkv, d)
+    times = {}
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        fn = lambda b=backend: contiguous_sdpa(q4, case.k_contig, case.v_contig, case.scale,
+                                               (b,))
+        try:
+            times[backend.name.lower().replace("_attention", "")] = bench(fn, reps)
+        except RuntimeError:
+            continue
+    return times
+
+
+def bench(fn: Callable, reps: dict) -> float:
+    """Median µs of GPU time: one call captured in a CUDA graph and replayed with the L2
+    flushed before each replay, so the Python host overhead of the call is left out."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median", **reps)
+    del graph
+    return us
+
+
+def bench_eager(fn: Callable, reps: dict) -> float:
+    """Median µs of plain calls: includes the host overhead where it exceeds the GPU time."""
+    return 1e3 * triton.testing.do_bench(fn, return_mode="median", **reps)
+
+
+def _reps(case: Case) -> dict:
+    big = case.bytes("bf16") > 2e9
+    return dict(warmup=5, rep=25) if big else dict(warmup=10, rep=60)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float().flatten(), ref.float().flatten()
+    return float((out - ref).norm() / ref.norm())
+
+
+def run_case(case: Case, compiled: dict, bw: float) -> dict:
+    """Times (µs), floor fractions and errors of every method on one case."""
+    reps = _reps(case)
+    row = {"geo": case.geo, "B": case.batch, "L": case.length,
+           "kv_gb": case.bytes("bf16") / 1e9, "us": {}, "floor": {}, "err": {}}
+    hq, hkv, d = case.geo
+    ref = contiguous_sdpa(case.q.view(case.batch, hkv, hq // hkv, d), case.k_contig,
+                          case.v_contig, case.scale).reshape(case.q.shape)
+    methods = case.methods(compiled)
+    for name, (kind, fn) in methods.items():
+        try:
+            out = fn()
+            us = bench(fn, reps)
+        except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+            row["us"][name] = None
+            row["err"][name] = f"{type(exc).__name__}"
+            continue
+        row["us"][name] = us
+        row["floor"][name] = case.bytes(kind) / bw / (us * 1e-6)
+        row["err"][name] = rel_err(out.reshape(case.q.shape), ref)
+    contig = best_contiguous(case, reps)
+    row["contig_backend"], us = min(contig.items(), key=lambda item: item[1])
+    row["us"]["contiguous SDPA"] = us
+    row["floor"]["contiguous SDPA"] = case.bytes("bf16") / bw / (us * 1e-6)
+    row["cudnn_us"] = contig.get("cudnn")
+    row["pf_eager_us"] = bench_eager(methods["pagedfuse bf16"][1], reps)
+    return row
+
+
+def _fits(geo, batch, length) -> bool:
+    hq, hkv, d = geo
+    kv = 4 * batch * length * hkv * d
+    return 4.5 * kv < MEMORY_LIMIT  # cache, int8 copy, contiguous copy, eager temporaries
+
+
+def compile_peers() -> dict[str, Callable]:
+    return {"gather": torch.compile(gather_sdpa, dynamic=True),
+            "int8": torch.compile(int8_sdpa, dynamic=True)}
+
+
+METHOD_ORDER = ["eager gather+SDPA", "inductor gather+SDPA", "contiguous SDPA",
+                "naive INT8 inductor", "pagedfuse bf16", "pagedfuse INT8 K+V",
+                "pagedfuse INT8 K"]
+SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf i8 K+V", "pf i8 K"]
+
+
+def _fmt(row: dict, name: str) -> str:
+    us = row["us"].get(name)
+    if us is None:
+        return f"n/a ({row['err'].get(name, 'skipped')})"
+    backend = f" {row['contig_backend']}" if name == "contiguous SDPA" else ""
+    return f"{us:.1f} ({100 * row['floor'][name]:.0f}%){backend}"
+
+
+def _ratio(row: dict, name: str) -> str:
+    us = row["us"].get(name)
+    return f"{us / row['us']['contiguous SDPA']:.2f}" if us else "n/a"
+
+
+def _err(row: dict, name: str) -> str:
+    err = row["err"].get(name)
+    return f"{err:.1e}" if isinstance(err, float) else "n/a"
+
+
+def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
+    """The dated table for RESULTS.md, with each target's measured verdict."""
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        f"\n## GPU decode ({datetime.date.today().isoformat()}, {gpu}, torch "
+        f"{torch.__version__}, Triton {triton.__version__}, Python {platform.python_version()})",
+        "",
+        f"Command: `{command}` ({seconds:.0f} s). Copy bandwidth (read + write) measured in "
+        f"the same run: {bw / 1e12:.2f} TB/s. Cells: median µs of GPU time (one call "
+        "captured in a CUDA graph, replayed with the L2 flushed before each replay) and the "
+        "fraction of the K/V byte floor of that method's cache format (bf16; INT8 K+V with "
+        "scales; INT8 K + bf16 V); for contiguous SDPA the faster backend is named. Page 16, "
+        "random block permutation, bf16 queries, q_len 1. FlexAttention paged was not run "
+        "(not implemented in this benchmark).",
+        "",
+        "| geometry | B | L | KV GB | " + " | ".join(SHORT) + " | pf/contig | i8KV/contig "
+        "| i8K/contig | pf err | i8KV err |",
+        "|" + "---|" * (4 + len(SHORT) + 5),
+    ]
+    for r in rows:
+        name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
+        lines.append(
+            f"| {name} | {r['B']} | {r['L']} | {r['kv_gb']:.2f} | "
+            + " | ".join(_fmt(r, m) for m in METHOD_ORDER)
+            + f" | {_ratio(r, 'pagedfuse bf16')} | {_ratio(r, 'pagedfuse INT8 K+V')} | "
+            f"{_ratio(r, 'pagedfuse INT8 K')} | {_err(r, 'pagedfuse bf16')} | "
+            f"{_err(r, 'pagedfuse INT8 K+V')} |")
+    lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
+              "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
+              "host overhead shows where it exceeds the GPU time:", ""]
+    for r in rows:
+        name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
+        cudnn = r.get("cudnn_us")
+        vs = (f" vs cuDNN {cudnn:.1f} ({r['us']['pagedfuse bf16'] / cudnn:.2f}x)"
+              if cudnn and r["us"].get("pagedfuse bf16") else "")
+        if r["B"] == 1:
+            lines.append(f"- {name} B=1 L={r['L']}: pagedfuse {r['us']['pagedfuse bf16']:.1f}"
+                         f"{vs}; eager op call {r['pf_eager_us']:.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], bw: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(GEOMETRIES), len(BATCHES), figsize=(15, 11), sharex=True,
+                             squeeze=False)
+    for i, (gname, geo) in enumerate(GEOMETRIES.items()):
+        for j, batch in enumerate(BATCHES):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["geo"] == geo and r["B"] == batch]
+            for name in METHOD_ORDER:
+                pts = [(r["L"], r["floor"][name] * bw / 1e12) for r in sel
+                       if r["us"].get(name)]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            ax.axhline(bw / 1e12, color="k", ls="--", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{gname} {geo}, B={batch}", fontsize=9)
+            ax.set_ylabel("achieved TB/s (floor bytes / time)", fontsize=8)
+            ax.set_xlabel("context length")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Paged decode on {torch.cuda.get_device_name()} "
+                 f"(dashed: copy bandwidth {bw / 1e12:.2f} TB/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+INT8_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def sweep(bw: float) -> None:
+    """GPU-time sweeps: INT8 tile configs, then split counts (bf16)."""
+    reps = dict(warmup=5, rep=20)
+    for gname, geo in GEOMETRIES.items():
+        for batch, length in ((64, 8192),):
+            case = Case(geo, batch, length)
+            for kind in ("int8_kv", "int8_k"):
+                floor_us = case.bytes(kind) / bw * 1e6
+                results = []
+                for cfg in map(pf_cuda.LaunchConfig._make, INT8_CONFIGS):
+                    try:
+                        us = bench(lambda c=cfg, k=kind, cs=case: _pf_call(cs, k, config=c),
+                                   reps)
+                    except Exception as exc:
+                        print(f"  {gname} {kind} {cfg}: {type(exc).__name__}")
+                        continue
+                    results.append((us, cfg))
+                results.sort(key=lambda x: x[0])
+                print(f"{gname} B={batch} L={length} {kind}: "
+                      + ", ".join(f"{c.block_n}/{c.num_warps}/{c.num_stages}:{u:.0f}us "
+                                  f"({100 * floor_us / u:.0f}%)" for u, c in results[:4]),
+                      flush=True)
+            del case
+    for gname, geo in GEOMETRIES.items():
+        for batch, length in ((1, 1536), (1, 8192), (1, 32768), (8, 1536), (8, 8192),
+                              (8, 32768), (64, 1536), (64, 8192)):
+            case = Case(geo, batch, length)
+            floor_us = case.bytes("bf16") / bw * 1e6
+            line = []
+            for splits in SPLITS:
+                us = bench(lambda s=splits, cs=case: _pf_call(cs, "bf16", splits=s), reps)
+                line.append(f"{splits}:{us:.1f}({100 * floor_us / us:.0f}%)")
+            auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length, pf_cuda._sm_count(
+                torch.device("cuda")), pf_cuda.launch_config(False).block_n)
+            print(f"splits {gname} B={batch} L={length} (auto {auto}): " + " ".join(line),
+                  flush=True)
+            del case
+
+
+def _pf_call(case: Case, kind: str, config=None, splits=None) -> torch.Tensor:
+    out = torch.empty_like(case.q)
+    k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
+    v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
+    pf_cuda.paged_attention_into(out, case.q, k, v, ks, vs, *case.block_args, case.scale,
+                                 False, None, case.length, 1, config=config, splits=splits)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the markdown section here")
+    parser.add_argument("--plot", help="write the bandwidth plot here")
+    parser.add_argument("--sweep", action="store_true", help="tuning sweeps instead")
+    parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.sweep:
+        sweep(bw)
+        return
+    from tqdm import tqdm
+
+    start = time.time()
+    compiled = compile_peers()
+    batches, lengths = ((1, 8), (1536,)) if args.quick else (BATCHES, LENGTHS)
+    combos = [(g, b, n) for g in GEOMETRIES.values() for b in batches for n in lengths
+              if _fits(g, b, n)]
+    rows = []
+    for geo, batch, length in tqdm(combos, desc="decode bench", mininterval=5):
+        case = Case(geo, batch, length)
+        rows.append(run_case(case, compiled, bw))
+        del case
+        torch.cuda.empty_cache()
+        r = rows[-1]
+        print(f"{geo} B={batch} L={length}: " + ", ".join(
+            f"{s} {_fmt(r, m)}" for s, m in zip(SHORT, METHOD_ORDER, strict=True)), flush=True)
+        section = markdown(rows, bw, "python benchmarks/bench_decode.py --out ... --plot ...",
+                           time.time() - start)
+        if args.out:  # rewritten after every case: a cut-short run keeps what it measured
+            with open(args.out, "w") as f:
+                f.write(section)
+    print(section)
+    if args.plot:
+        plot(rows, bw, args.plot)
+
+
+if __name__ == "__main__":
+    main()

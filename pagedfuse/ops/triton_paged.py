@@ -1,0 +1,185 @@
+"""Triton kernels for paged attention: grouped-KV split-KV attention and its combine step.
+
+One program per (sequence, KV head, split). The query heads that share a KV head are the M
+rows of the tile (times QT query tokens for q_len > 1), so each K/V tile read through the
+block table serves the whole group. Softmax runs online in fp32 in the log2 domain. With one
+split the program writes the output; with several, each writes a normalised partial row and
+its log-sum-exp, and the combine kernel merges them. Every size is a shape or a hint: no
+host synchronisation, so the launch captures in a CUDA graph.
+
+INT8 (INT8_K): the query arrives pre-quantized (one small kernel shared by all splits);
+Q·K^T is an int8 tl.dot with int32 accumulation, scaled by q_scale * k_scale * scale before
+the softmax. INT8 V (V_INT8): the per-token V scales are folded into P, P is quantized per
+row and P·V is an int8 tl.dot too, so V is never converted element by element.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_rows(base_ptr, row_off, offs_d, valid):
+    """[len(row_off), HEAD_DIM] rows at base + row_off (innermost dim contiguous)."""
+    return tl.load(base_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _attend_rows(
+    q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    b, kvh, split, qb, seq_len, q_start, q_len, kv_lo, kv_hi,
+    sm_scale_log2, num_tokens, num_blocks,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+    stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    INT8_K: tl.constexpr, V_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_BOOL: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Attention of QT query tokens x the group's heads over keys [kv_lo, kv_hi)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g = offs_m % GROUP_PAD
+    t = qb * QT + offs_m // GROUP_PAD  # token index within the sequence
+    row_ok = (g < GROUP) & (t < q_len)
+    head = kvh * GROUP + g
+    tok = q_start + t
+    q_off = tok.to(tl.int64) * stride_qt + head * stride_qh
+    q = _load_rows(q_ptr, q_off, offs_d, row_ok)
+    if INT8_K:
+        q_scale = tl.load(qs_ptr + tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head,
+                          mask=row_ok, other=0.0)
+    last_key = seq_len - q_len + t  # causal limit of each row (bottom-right aligned)
+    hi = kv_hi
+    if CAUSAL:
+        hi = tl.minimum(hi, seq_len - q_len + qb * QT + QT)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(kv_lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk.to(tl.int64), 0), num_blocks - 1)
+        slot = offs_n % PAGE
+        k = _load_rows(k_ptr, blk * stride_kb + slot * stride_kt + kvh * stride_kh, offs_d, n_ok)
+        if INT8_K:
+            k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh,
+                              mask=n_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+            s = qk * (q_scale[:, None] * k_scale[None, :]) * sm_scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        keep = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= last_key[:, None])
+        if HAS_BIAS:
+            bias_off = (b * stride_ab + head[:, None] * stride_ah
+                        + tl.minimum(t, bias_rows - 1)[:, None] * stride_am
+                        + tl.minimum(offs_n, bias_cols - 1)[None, :] * stride_an)
+            bias = tl.load(bias_ptr + bias_off, mask=keep, other=0)
+            if BIAS_BOOL:
+                keep = keep & (bias != 0)
+            else:
+                s += bias.to(tl.float32) * 1.4426950408889634
+        s = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        v = _load_rows(v_ptr, blk * stride_vb + slot * stride_vt + kvh * stride_vh, offs_d, n_ok)
+        if V_INT8:
+            v_scale = tl.load(vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh,
+                              mask=n_ok, other=0.0)
+            pv = p * v_scale[None, :]
+            p_max = tl.max(tl.abs(pv), axis=1)
+            p_step = tl.where(p_max > 0.0, p_max / 127.0, 1.0)
+            p_q = pv * (1.0 / p_step)[:, None]
+            p_i8 = tl.where(p_q >= 0.0, p_q + 0.5, p_q - 0.5).to(tl.int8)  # round half away
+            part = tl.dot(p_i8, v, out_dtype=tl.int32).to(tl.float32) * p_step[:, None]
+        else:
+            part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + part
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_off = (tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head) * HEAD_DIM
+    if DIRECT:
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        part_base = split.to(tl.int64) * num_tokens * GROUP * tl.num_programs(1)
+        tl.store(part_o_ptr + part_base * HEAD_DIM + out_off[:, None] + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_base + out_off // HEAD_DIM, lse, mask=row_ok)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    sm_scale_log2, num_tokens, num_blocks, max_blocks,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    INT8_K: tl.constexpr, V_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_BOOL: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """Grid (batch, num_kv_heads, num_splits). Lengths and starts are clamped so that bad
+    values (unchecked on the GPU) can never move a read outside the cache or the table."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * PAGE)
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
+    q_len = q_end - q_start
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, seq_len)
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    num_q_blocks = 1 if DECODE else tl.cdiv(q_len, QT)
+    for qb in range(0, num_q_blocks):
+        _attend_rows(
+            q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr,
+            out_ptr, part_o_ptr, part_lse_ptr,
+            b, kvh, split, qb, seq_len, q_start, q_len, kv_lo, kv_hi,
+            sm_scale_log2, num_tokens, num_blocks,
+            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+            stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+            GROUP, GROUP_PAD, QT, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE,
+            INT8_K, V_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL, DIRECT, PRECISION,
+        )
+
+
+@triton.jit
+def combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows, num_splits,
+                          SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge the splits' partial rows of one (token, head); a row no key reached gets 0."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + offs_s * rows + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(part_o_ptr + (offs_s[:, None] * rows + row) * HEAD_DIM + offs_d[None, :],
+                mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
+    total = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, res.to(out_ptr.dtype.element_ty))
