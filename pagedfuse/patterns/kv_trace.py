@@ -1,0 +1,272 @@
+"""Walk back from an SDPA key/value operand to the paged cache it was gathered from.
+
+The walk passes layout ops (axes.py), casts and dequant multiplies and stops at a gather
+recogniser. Going forward again, the named-axes interpreter proves the operand is
+``[batch, kv_head (x rep), position = (block, slot), head_dim]``. Each recogniser is one small
+function in ``_GATHERS``; a new gather spelling is one more entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from pagedfuse.patterns.axes import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
+from pagedfuse.patterns.spelling import arg, describe, fake, op_of
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """``source`` rows picked by ``index`` along dim 0 (a block table, or per-token slots)."""
+
+    node: fx.Node
+    source: fx.Node
+    index: fx.Node  # [batch, blocks] or [blocks]
+    spelling: str
+    flattened: bool = False  # the gather used ``index`` flattened to 1-D (batch*blocks rows)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op between the gather and SDPA: "layout", "cast", or "scale" (a dequant multiply
+    whose other operand is ``scale``, itself a gathered trace)."""
+
+    node: fx.Node
+    kind: str
+    scale: Trace | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    gather: Gather
+    steps: tuple[Step, ...]  # from the gather towards SDPA
+
+    def nodes(self) -> set[fx.Node]:
+        found = {self.gather.node} | {s.node for s in self.steps}
+        for s in self.steps:
+            if s.scale is not None:
+                found |= s.scale.nodes()
+        return found
+
+    @property
+    def scale(self) -> Trace | None:
+        return next((s.scale for s in self.steps if s.scale is not None), None)
+
+
+@dataclass(frozen=True)
+class SourceView:
+    """How the gathered source is laid out, and how the op must see it."""
+
+    name: str  # "NHD", "HND" or "flat" (block_size 1: one slot per row)
+    layout: Layout  # of the gather's output under this hypothesis
+    op_view: str  # "as_is", "transpose12" or "unsqueeze1"
+
+
+def _int_index(node: object) -> str | None:
+    t = fake(node)
+    if not isinstance(t, torch.Tensor):
+        return f"index {describe(node)} is not a tensor"
+    if t.dtype not in INDEX_DTYPES:
+        return f"index {describe(node)} has dtype {t.dtype}, not a block table of int ids"
+    if t.dim() not in (1, 2):
+        return f"index {describe(node)} has rank {t.dim()}; a block table has rank 1 or 2"
+    return None
+
+
+def _gather_getitem(node: fx.Node) -> Gather | str | None:
+    index = node.args[1]
+    items = index if isinstance(index, tuple) else (index,)
+    tensors = [i for i, item in enumerate(items) if isinstance(item, fx.Node)]
+    if not tensors:
+        return None  # a pure view: None / full slices
+    if tensors != [0] or any(it not in (slice(None), Ellipsis) for it in items[1:]):
+        return (f"{describe(node)} indexes the cache with a tensor outside dim 0; a block "
+                "table picks whole blocks along dim 0")
+    return _flat_index(node, items[0], node.args[0], "cache[index]")
+
+
+def _flat_index(node: fx.Node, index: object, source: fx.Node, spelling: str) -> Gather | str:
+    """An index of rank 1 or 2; a [batch, blocks] table flattened to 1-D reads per batch."""
+    reason = _int_index(index)
+    if reason:
+        return reason
+    table = index.args[0] if op_of(index) in ("reshape", "flatten") else None
+    if fake(index).dim() == 1 and table is not None and _int_index(table) is None and \
+            fake(table).dim() == 2:
+        return Gather(node, source, table, spelling, flattened=True)
+    return Gather(node, source, index, spelling)
+
+
+def _gather_index_select(node: fx.Node) -> Gather | str:
+    source, dim, index = arg(node, "input"), arg(node, "dim"), arg(node, "index")
+    if dim != 0:
+        return f"{describe(node)} selects along dim {dim}, not the block/slot dim 0"
+    return _flat_index(node, index, source, "index_select(cache, 0, index)")
+
+
+def _gather_gather(node: fx.Node) -> Gather | str:
+    """``torch.gather(cache, 0, idx[:, None, None].expand(...))`` is index_select by idx when
+    the index is ``idx`` broadcast over whole rows of the cache."""
+    source, dim, index = arg(node, "input"), arg(node, "dim"), arg(node, "index")
+    if dim != 0:
+        return f"{describe(node)} gathers along dim {dim}, not the block/slot dim 0"
+    if not all(same_size(a, b) for a, b in zip(fake(index).shape[1:], fake(source).shape[1:],
+                                               strict=True)):
+        return f"{describe(node)}: the index covers only part of each cache row"
+    path, cur = [], index
+    while op_of(cur) in ("expand", "unsqueeze", "reshape", "getitem") and fake(cur).dim() > 1:
+        path.append(cur)
+        cur = cur.args[0]
+    reason = _int_index(cur)
+    if reason or fake(cur).dim() != 1:
+        return reason or f"{describe(node)}: index is not a broadcast 1-D slot index"
+    rows = Layout.of((("row",),), {"row": fake(cur).shape[0]})
+    layout: Layout | str = rows
+    for step in reversed(path):
+        layout = apply_layout_op(step, layout)
+        if isinstance(layout, str):
+            return f"{describe(node)}: {layout}"
+    if layout.dims[0] != rows.dims[0] or any(not a.startswith("rep")
+                                             for d in layout.dims[1:] for a in d):
+        return f"{describe(node)}: index varies along a dim other than 0"
+    return _flat_index(node, cur, source, "torch.gather(cache, 0, index)")
+
+
+_GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
+    "getitem": _gather_getitem,
+    "index_select": _gather_index_select,
+    "gather": _gather_gather,
+}
+
+
+def walk(node: object, what: str) -> Trace | str:
+    """The trace from ``node`` back to its gather, or why there is none."""
+    steps: list[Step] = []
+    cur = node
+    while True:
+        recognise = _GATHERS.get(op_of(cur))
+        found = recognise(cur) if recognise else None
+        if isinstance(found, Gather):
+            return Trace(found, tuple(reversed(steps)))
+        if isinstance(found, str):
+            return f"{what}: {found}"
+        op = op_of(cur)
+        if op in LAYOUT_OPS or op == "cast":
+            steps.append(Step(cur, "cast" if op == "cast" else "layout"))
+            cur = cur.args[0]
+        elif op == "mul":
+            return _walk_dequant(cur, steps, what)
+        else:
+            return (f"{what} comes from {describe(cur)}, not from a gather through a block "
+                    "table (a contiguous or unrecognised cache)")
+
+
+def _walk_dequant(node: fx.Node, later: list[Step], what: str) -> Trace | str:
+    """A multiply: one operand is the data, the other its per-token scale (one rank less at
+    the source), gathered the same way; either operand order."""
+    a, b = arg(node, "input"), arg(node, "other")
+    reasons = []
+    for data, other in ((a, b), (b, a)):
+        if not (isinstance(data, fx.Node) and isinstance(other, fx.Node)):
+            continue
+        data_trace, scale = walk(data, what), walk(other, f"{what} scale")
+        reason = next((t for t in (data_trace, scale) if isinstance(t, str)), None)
+        if reason is None and scale.scale is not None:
+            reason = f"{what}: nested dequant scales"
+        if reason is None and fake(scale.gather.source).dim() != \
+                fake(data_trace.gather.source).dim() - 1:
+            reason = f"{what}: {describe(other)} is not a per-token scale of {describe(data)}"
+        if reason is None:
+            step = Step(node, "scale", scale)
+            return Trace(data_trace.gather, data_trace.steps + (step,) + tuple(reversed(later)))
+        reasons.append(reason)
+    return reasons[0] if reasons else f"{what}: {describe(node)} multiplies by a non-tensor"
+
+
+def source_views(gather: Gather, role: str) -> list[SourceView]:
+    """Layout hypotheses for a gather's output: a data cache ("data") is [N, bs, H, D] (NHD),
+    [N, H, bs, D] (HND) or a flat slot cache [S, H, D]; its scales ("scale") the same less D."""
+    src, idx = fake(gather.source), fake(gather.index)
+    lead = (("batch",), ("block",)) if idx.dim() == 2 else (("block",),)
+    if gather.flattened:
+        lead = (("batch", "block"),)
+    sizes = dict(zip(("batch", "block") if idx.dim() == 2 else ("block",), idx.shape,
+                     strict=True))
+    tail = (("dim",),) if role == "data" else ()
+    paged_rank = 4 if role == "data" else 3
+    shape = tuple(src.shape)
+    views = []
+    if len(shape) == paged_rank - 1:
+        sizes.update(head=shape[1], **({"dim": shape[2]} if role == "data" else {}))
+        views.append(SourceView("flat", Layout.of(lead + (("head",),) + tail, sizes),
+                                "unsqueeze1"))
+    elif len(shape) == paged_rank:
+        dim = {"dim": shape[3]} if role == "data" else {}
+        nhd = dict(sizes, slot=shape[1], head=shape[2], **dim)
+        hnd = dict(sizes, head=shape[1], slot=shape[2], **dim)
+        views.append(SourceView("NHD", Layout.of(lead + (("slot",), ("head",)) + tail, nhd),
+                                "as_is"))
+        views.append(SourceView("HND", Layout.of(lead + (("head",), ("slot",)) + tail, hnd),
+                                "transpose12"))
+    return views
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A trace whose layout is proven: the source view and (if dequantized) the scale's."""
+
+    trace: Trace
+    view: SourceView
+    scale_view: SourceView | None
+    final: Layout
+
+
+def _forward(trace: Trace, view: SourceView) -> tuple[Layout, SourceView | None] | str:
+    layout, scale_view = view.layout, None
+    for step in trace.steps:
+        if step.kind == "layout":
+            layout = apply_layout_op(step.node, layout)
+            if isinstance(layout, str):
+                return layout
+        elif step.kind == "scale":
+            scale_view = _match_scale(step.scale, layout)
+            if isinstance(scale_view, str):
+                return scale_view
+    return layout, scale_view
+
+
+def _match_scale(scale: Trace, data: Layout) -> SourceView | str:
+    """The scale hypothesis whose layout broadcasts onto ``data`` minus its head_dim atom."""
+    want = tuple(tuple(a for a in d if a != "dim") for d in data.dims)
+    for view in source_views(scale.gather, "scale"):
+        layout = _forward(scale, view)
+        if isinstance(layout, str):
+            continue
+        dims = layout[0].dims
+        if len(dims) <= len(want) and dims == want[len(want) - len(dims):]:
+            return view
+    return (f"the dequant scale {describe(scale.gather.source)} does not line up with the "
+            f"data {show(data)} token by token and head by head")
+
+
+def resolve(trace: Trace, fits: Callable[[Layout], str | None]) -> Resolved | str:
+    """The first source hypothesis whose forward layout ``fits``; else the first reason."""
+    reasons = []
+    for view in source_views(trace.gather, "data"):
+        out = _forward(trace, view)
+        if isinstance(out, str):
+            reasons.append(f"as {view.name}: {out}")
+            continue
+        reason = fits(out[0])
+        if reason is None:
+            return Resolved(trace, view, out[1], out[0])
+        reasons.append(f"as {view.name}: {reason}")
+    if not reasons:
+        return (f"{describe(trace.gather.source)} has shape "
+                f"{tuple(fake(trace.gather.source).shape)}, not a paged or flat slot cache")
+    return "; ".join(reasons)

@@ -1,0 +1,106 @@
+"""Build the replacement for a PagedSite: pack the query, call the op, unpack its output.
+
+Sizes come from ``size`` nodes where they are dynamic, so the new nodes never specialise a
+dim; caches are handed to the op as views (an HND cache transposed, a flat slot cache with a
+block_size-1 dim), never copied.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from pagedfuse.patterns.axes import static_int
+from pagedfuse.patterns.base import Match
+from pagedfuse.patterns.kv_trace import SourceView
+from pagedfuse.patterns.paged_site import PagedSite
+from pagedfuse.patterns.spelling import arg, fake
+
+_VIEWS = {"transpose12": ("transpose", (1, 2)), "unsqueeze1": ("unsqueeze", (1,))}
+
+
+def _size(graph: fx.Graph, node: fx.Node, dim: int) -> int | fx.Node:
+    size = fake(node).shape[dim]
+    return size if isinstance(size, int) else graph.call_method("size", (node, dim))
+
+
+def _times(graph: fx.Graph, a: int | fx.Node, b: int | fx.Node) -> int | fx.Node:
+    both_int = isinstance(a, int) and isinstance(b, int)
+    return a * b if both_int else graph.call_function(operator.mul, (a, b))
+
+
+def _op_view(graph: fx.Graph, source: fx.Node, view: SourceView) -> fx.Node:
+    if view.op_view not in _VIEWS:
+        return source
+    method, args = _VIEWS[view.op_view]
+    return graph.call_method(method, (source, *args))
+
+
+def _block_table(graph: fx.Graph, site: PagedSite) -> tuple[fx.Node, int | fx.Node,
+                                                               int | fx.Node]:
+    """(block table [B, M], B, keys per sequence M * block_size)."""
+    table = site.index
+    if fake(table).dim() == 2:
+        batch, blocks = _size(graph, table, 0), _size(graph, table, 1)
+    else:  # per-token slots of one packed sequence
+        batch, blocks = 1, _size(graph, table, 0)
+        table = graph.call_method("unsqueeze", (table, 0))
+    return table, batch, _times(graph, blocks, site.size("slot"))
+
+
+def _masking(graph: fx.Graph, site: PagedSite, batch: int | fx.Node, keys: int | fx.Node,
+             q_len: int | fx.Node) -> tuple[fx.Node, bool, fx.Node | None]:
+    """(seq_lens, causal, attn_bias) expressing SDPA's attn_mask and is_causal."""
+    device = site.q_fake.device
+    reading = site.mask_reading
+    if reading is not None and reading.seq_lens is not None:
+        return reading.seq_lens, False, None
+    seq_lens = graph.call_function(torch.full, ((batch,), keys),
+                                   {"dtype": torch.int32, "device": device})
+    if site.causal_as_bias:  # SDPA's top-left causal: query i sees keys j <= i
+        ones = graph.call_function(torch.ones, ((q_len, keys),),
+                                   {"dtype": torch.bool, "device": device})
+        return seq_lens, False, graph.call_method("tril", (ones,))
+    return seq_lens, bool(arg(site.sdpa, "is_causal", False)), site.mask
+
+
+def _caches(graph: fx.Graph, site: PagedSite) -> tuple:
+    """(key_cache, value_cache) or, for int8, (key_cache, value_cache, key_scale, value_scale):
+    the op's views of the user's buffers."""
+    key = _op_view(graph, site.key.trace.gather.source, site.key.view)
+    value = _op_view(graph, site.value.trace.gather.source, site.value.view)
+    if not site.int8:
+        return key, value
+    v_scale = site.value.trace.scale
+    return (key, value,
+            _op_view(graph, site.key.trace.scale.gather.source, site.key.scale_view),
+            v_scale and _op_view(graph, v_scale.gather.source, site.value.scale_view))
+
+
+def replace_paged_sdpa(graph: fx.Graph, match: Match) -> fx.Node:
+    """Insert the op call before the SDPA node; return the node standing in for its output."""
+    site: PagedSite = match.facts
+    q = site.query
+    with graph.inserting_before(site.sdpa):
+        q_bqhd = graph.call_method("transpose", (q, 1, 2))
+        packed = graph.call_method("reshape", (q_bqhd, -1, _size(graph, q, 1), _size(graph, q, 3)))
+        packed = graph.call_method("contiguous", (packed,))
+        table, batch, keys = _block_table(graph, site)
+        q_len = _size(graph, q, 2)
+        seq_lens, causal, bias = _masking(graph, site, batch, keys, q_len)
+        batch_plus_one = batch + 1 if isinstance(batch, int) else \
+            graph.call_function(operator.add, (batch, 1))
+        starts = graph.call_function(torch.arange, (batch_plus_one,),
+                                     {"dtype": torch.int32, "device": site.q_fake.device})
+        query_start_loc = graph.call_function(operator.mul, (starts, q_len))
+        scale = arg(site.sdpa, "scale")
+        if scale is None:
+            scale = 1.0 / math.sqrt(static_int(site.size("dim")))
+        op = getattr(torch.ops.pagedfuse, site.op).default
+        out = graph.call_function(op, (packed, *_caches(graph, site), table, seq_lens,
+                                       query_start_loc, scale, causal, bias, keys, q_len))
+        unpacked = graph.call_method("view_as", (out, q_bqhd))
+        return graph.call_method("transpose", (unpacked, 1, 2))

@@ -1,0 +1,97 @@
+"""The Dynamo backend: rewrite the graph, record the report, hand the graph to the inner
+compiler (inductor, eager, or any ``(gm, example_inputs) -> callable``)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pagedfuse.patterns import Pattern, registered_patterns
+from pagedfuse.rewrite.engine import rewrite_graph
+from pagedfuse.rewrite.report import Report, record, reports
+from pagedfuse.rewrite.verify import copy_module, verifying
+
+log = logging.getLogger("pagedfuse")
+Compiler = Callable[[fx.GraphModule, list], Callable]
+_graph_ids = itertools.count()
+
+# torch.compile/Dynamo options that callers (e.g. transformers' CompileConfig) pass along;
+# they were already applied by Dynamo and mean nothing to the inner compiler.
+_DYNAMO_OPTIONS = frozenset({"fullgraph", "dynamic", "backend"})
+
+
+def _graph_name() -> str:
+    """Dynamo's compile id ("frame/attempt") when there is one, else a running number."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"graph {compile_id if compile_id is not None else next(_graph_ids)}"
+
+
+def _inductor(mode: str | None, options: dict | None) -> Compiler:
+    from torch._inductor import list_mode_options
+
+    patches = dict(list_mode_options(mode) if mode else {})  # an unknown mode raises here
+    patches.update(options or {})
+
+    def compile_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    return compile_inductor
+
+
+def _inner_compiler(inner: str | Compiler, kwargs: dict[str, Any]) -> Compiler:
+    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
+    ignored = sorted(k for k in kwargs if k not in _DYNAMO_OPTIONS)
+    if ignored:
+        log.debug("pagedfuse: ignoring backend options %s", ignored)
+    if callable(inner):
+        return inner
+    if inner == "eager":
+        return lambda gm, example_inputs: gm.forward
+    if inner == "inductor":
+        return _inductor(mode, options)
+    raise ValueError(f"inner: expected 'inductor', 'eager' or a callable, got {inner!r}")
+
+
+def backend(inner: str | Compiler = "inductor", verify: bool = False,
+            patterns: Sequence[Pattern] | None = None, **kwargs: Any) -> Compiler:
+    """A Dynamo backend that swaps paged attention for pagedfuse ops, then runs ``inner``.
+
+    ``patterns`` replaces the registry's patterns for this backend; extra keyword arguments
+    (``mode``, ``options``) go to inductor, and Dynamo's own (``fullgraph``, ``dynamic``)
+    are accepted and ignored.
+    """
+    compile_inner = _inner_compiler(inner, dict(kwargs))
+
+    def pagedfuse_compile(gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
+        chosen = list(patterns) if patterns is not None else registered_patterns()
+        original = copy_module(gm) if verify else None
+        report, swaps = rewrite_graph(gm, chosen, _graph_name())
+        record(report)
+        rewritten = copy_module(gm) if verify and swaps else None
+        compiled = compile_inner(gm, example_inputs)
+        if rewritten is None:
+            return compiled
+        return verifying(compiled, original, rewritten, swaps)
+
+    return pagedfuse_compile
+
+
+def pagedfuse_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    """The backend behind ``torch.compile(..., backend="pagedfuse")`` (the entry point):
+    inductor as inner compiler, with ``mode``/``options`` from torch.compile."""
+    return backend(**kwargs)(gm, example_inputs)
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
+    """Trace ``fn(*args, **kwargs)`` with Dynamo, rewrite without compiling (eager inner),
+    and return the report of every graph it produced."""
+    start = len(reports())
+    torch.compile(fn, backend=backend(inner="eager"))(*args, **kwargs)
+    return Report.merged(reports()[start:])

@@ -1,0 +1,78 @@
+"""Verify mode (graph replay): on the first call of a compiled graph, run the original graph
+and the rewritten one eagerly on clones of the inputs (so in-place cache writes do not hit
+the real buffers twice), compare each rewritten site's output with the SDPA it replaced,
+record the error in the report, and raise past the tolerance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from pagedfuse.rewrite.engine import Swap
+
+# Max relative error (max |diff| / max |reference|) a site may show.
+TOLERANCES = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 2e-2,
+              torch.float16: 2e-2}
+INT8_TOLERANCE = 5e-2
+
+
+class VerificationError(Exception):
+    """A rewritten site's output differs from the original subgraph's beyond tolerance."""
+
+
+def copy_module(gm: fx.GraphModule, outputs: Sequence[str] | None = None) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph; with ``outputs``, it returns those nodes' values
+    instead of the graph's outputs."""
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    result = graph.graph_copy(gm.graph, mapping)
+    by_name = {old.name: new for old, new in mapping.items()}
+    graph.output(result if outputs is None else tuple(by_name[n] for n in outputs))
+    return fx.GraphModule(gm, graph)
+
+
+def tolerance(swap: Swap, dtype: torch.dtype) -> float:
+    if "int8" in (swap.report.replacement or ""):
+        return INT8_TOLERANCE
+    return TOLERANCES.get(dtype, 2e-2)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max |got - want| over max |want|, ignoring rows SDPA leaves NaN (all keys masked)."""
+    got, want = got.detach().double(), want.detach().double()
+    keep = ~torch.isnan(want)
+    if not bool(keep.any()):
+        return 0.0
+    diff = (got - want).abs()[keep].max()
+    return float(diff / want.abs()[keep].max().clamp_min(1e-30))
+
+
+def _clone(args: Sequence[object]) -> list[object]:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def verifying(compiled: Callable, original: fx.GraphModule, rewritten: fx.GraphModule,
+              swaps: list[Swap]) -> Callable:
+    """``compiled``, preceded on its first call by the replay check of every swap."""
+    before = copy_module(original, [s.anchor_name for s in swaps])
+    after = copy_module(rewritten, [s.replacement.name for s in swaps])
+    pending = [True]
+
+    def run(*args):
+        if pending:
+            pending.clear()
+            with torch.no_grad():
+                want, got = before(*_clone(args)), after(*_clone(args))
+            for swap, w, g in zip(swaps, want, got, strict=True):
+                err = relative_error(g, w)
+                swap.report.verify_error = err
+                limit = tolerance(swap, w.dtype)
+                if not err <= limit:
+                    raise VerificationError(
+                        f"site {swap.report.site}: {swap.report.replacement} differs from the "
+                        f"original subgraph by max relative error {err:.3g} > {limit:g}")
+        return compiled(*args)
+
+    return run
