@@ -209,7 +209,9 @@ def check_metadata(
     if _static((batch, query_start_loc.shape[0])) and query_start_loc.shape[0] != batch + 1:
         raise ValueError(f"query_start_loc: length {query_start_loc.shape[0]} must be batch + 1 "
                          f"= {batch + 1}")
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
+    if isinstance(scale, torch.SymFloat):
+        pass  # a traced value (e.g. from .item()): checked when the op runs
+    elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
         raise ValueError(f"scale: must be a finite non-zero float, got {scale!r}")
 
     check_strides("query", query, fake)
