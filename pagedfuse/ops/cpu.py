@@ -1,22 +1,121 @@
-"""CPU kernels: thin wrappers that hand raw pointers, sizes and strides to pagedfuse._C.
+"""CPU kernels: hand raw pointers, sizes and strides (in elements) to pagedfuse._C (csrc/).
 
-(Placeholder body until the C++ kernels land: routes to the reference.)
+Arguments arrive validated (validate.py), so every block id and length the C++ side reads
+lies inside the cache. Only the cheap conversions happen here: the small index tensors become
+contiguous int64, a bool attn_bias is viewed as uint8 and a half-precision one widened to
+float32; the query, caches and scales go by strides, never copied.
+
+The extension is imported inside the functions, so the package still imports on a machine
+where it is not built (e.g. a GPU machine that only uses the Triton kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedfuse.ops.reference import paged_attention_reference, quantize_int8_reference
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
-def paged_attention_into(out, query, key_cache, value_cache, key_scale, value_scale, block_table,
-                         seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                         max_query_len) -> None:
-    out.copy_(paged_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
-                                        query_start_loc, scale, causal, attn_bias, key_scale,
-                                        value_scale))
+def _extension():
+    try:
+        from pagedfuse import _C
+    except ImportError as err:
+        raise ImportError("pagedfuse._C (the CPU kernels) is not built: run `make setup` "
+                          "(or `pip install --no-build-isolation -e .`) in the repository"
+                          ) from err
+    return _C
+
+
+def available_isas() -> list[str]:
+    """Values of PAGEDFUSE_CPU_ISA this CPU can run (read by the kernels on every call)."""
+    return ["portable", "avx512"] if _extension().cpu_has_avx512_vnni() else ["portable"]
+
+
+def selected_isa() -> str:
+    """The instruction set the next kernel call will use, given PAGEDFUSE_CPU_ISA."""
+    return _extension().selected_isa()
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _bias_args(attn_bias: torch.Tensor | None, batch: int, num_q_heads: int):
+    """(tensor kept alive, kind, strides of its [B, Hq, rows, cols] view with 0 on broadcast
+    dims); kind 0 = none, 1 = bool (as uint8), 2 = float32."""
+    if attn_bias is None:
+        return None, 0, [0, 0, 0, 0]
+    if attn_bias.dtype == torch.bool:
+        bias, kind = attn_bias.view(torch.uint8), 1
+    else:
+        bias, kind = attn_bias.to(torch.float32), 2
+    full = bias.expand(batch, num_q_heads, *bias.shape[-2:])
+    strides = [0 if n == 1 else s for n, s in zip(full.shape, full.stride(), strict=True)]
+    return bias, kind, strides
+
+
+def _scale_args(scale: torch.Tensor | None) -> tuple[int, list[int]]:
+    return (0, [0, 0, 0]) if scale is None else (scale.data_ptr(), list(scale.stride()))
+
+
+def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, key_scale: torch.Tensor | None,
+                         value_scale: torch.Tensor | None, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                         causal: bool, attn_bias: torch.Tensor | None, max_seq_len: int | None,
+                         max_query_len: int | None) -> None:
+    """Fill the contiguous ``out`` [T, Hq, D]; ``key_scale is None`` means the float op.
+
+    The ``max_*`` hints are not needed: the C++ side reads each sequence's own lengths.
+    """
+    ext = _extension()
+    table, lens, starts = _index(block_table), _index(seq_lens), _index(query_start_loc)
+    batch, num_q_heads = table.shape[0], query.shape[1]
+    bias, bias_kind, bias_strides = _bias_args(attn_bias, batch, num_q_heads)
+    key_scale_ptr, key_scale_strides = _scale_args(key_scale)
+    value_scale_ptr, value_scale_strides = _scale_args(value_scale)
+    ext.paged_attention({
+        "out": out.data_ptr(),
+        "query": query.data_ptr(),
+        "query_dtype": _DTYPE_CODES[query.dtype],
+        "query_strides": list(query.stride()[:2]),
+        "key_cache": key_cache.data_ptr(),
+        "key_dtype": _DTYPE_CODES[key_cache.dtype],
+        "key_strides": list(key_cache.stride()[:3]),
+        "value_cache": value_cache.data_ptr(),
+        "value_dtype": _DTYPE_CODES[value_cache.dtype],
+        "value_strides": list(value_cache.stride()[:3]),
+        "key_scale": key_scale_ptr,
+        "key_scale_strides": key_scale_strides,
+        "value_scale": value_scale_ptr,
+        "value_scale_strides": value_scale_strides,
+        "block_table": table.data_ptr(),
+        "max_blocks": table.shape[1],
+        "seq_lens": lens.data_ptr(),
+        "query_start_loc": starts.data_ptr(),
+        "attn_bias": 0 if bias is None else bias.data_ptr(),
+        "bias_kind": bias_kind,
+        "bias_strides": bias_strides,
+        "num_tokens": query.shape[0],
+        "num_q_heads": num_q_heads,
+        "num_kv_heads": key_cache.shape[2],
+        "head_dim": query.shape[2],
+        "batch": batch,
+        "block_size": key_cache.shape[1],
+        "scale": float(scale),
+        "causal": bool(causal),
+        "threads": torch.get_num_threads(),
+    })
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_int8_reference(x)
+    """Symmetric per-row int8 over the last dim, bit-identical to quantize_int8_reference."""
+    ext = _extension()
+    src = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32)
+    if scale.numel():  # rows of length 0 get scale 0
+        ext.quantize_int8(src.data_ptr(), _DTYPE_CODES[src.dtype], scale.numel(), x.shape[-1],
+                          q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    return q, scale
+
