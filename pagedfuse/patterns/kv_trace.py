@@ -112,11 +112,23 @@ def _gather_index_select(node: fx.Node) -> Gather | str:
 def _gather_gather(node: fx.Node) -> Gather | str:
     """``torch.gather(cache, 0, idx[:, None, None].expand(...))`` is index_select by idx when
     the index is ``idx`` broadcast over whole rows of the cache."""
-    source, dim, index = arg(node, "input"), arg(node, "dim"), arg(node, "index")
+    return _row_gather(node, arg(node, "index"), "torch.gather(cache, 0, index)", False)
+
+
+def _gather_take_along_dim(node: fx.Node) -> Gather | str:
+    """``torch.take_along_dim(cache, idx[:, None, None], dim=0)``: gather that broadcasts."""
+    return _row_gather(node, arg(node, "indices"), "take_along_dim(cache, index, 0)", True)
+
+
+def _row_gather(node: fx.Node, index: object, spelling: str, broadcasts: bool) -> Gather | str:
+    """A gather along dim 0 whose index is one slot id per cache row, repeated (or, where the
+    op ``broadcasts``, of size 1) over the rest of the row."""
+    source, dim = arg(node, "input"), arg(node, "dim")
     if dim != 0:
         return f"{describe(node)} gathers along dim {dim}, not the block/slot dim 0"
-    if not all(same_size(a, b) for a, b in zip(fake(index).shape[1:], fake(source).shape[1:],
-                                               strict=True)):
+    if not isinstance(index, fx.Node) or fake(index).dim() != fake(source).dim() or not all(
+            same_size(a, b) or broadcasts and same_size(a, 1)
+            for a, b in zip(fake(index).shape[1:], fake(source).shape[1:], strict=True)):
         return f"{describe(node)}: the index covers only part of each cache row"
     path, cur = [], index
     while op_of(cur) in ("expand", "unsqueeze", "reshape", "getitem") and fake(cur).dim() > 1:
@@ -134,13 +146,14 @@ def _gather_gather(node: fx.Node) -> Gather | str:
     if layout.dims[0] != rows.dims[0] or any(not a.startswith("rep")
                                              for d in layout.dims[1:] for a in d):
         return f"{describe(node)}: index varies along a dim other than 0"
-    return _flat_index(node, cur, source, "torch.gather(cache, 0, index)")
+    return _flat_index(node, cur, source, spelling)
 
 
 _GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
     "getitem": _gather_getitem,
     "index_select": _gather_index_select,
     "gather": _gather_gather,
+    "take_along_dim": _gather_take_along_dim,
 }
 
 
