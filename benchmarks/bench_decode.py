@@ -312,7 +312,7 @@ def sweep(bw: float) -> None:
             for kind in ("int8_kv", "int8_k"):
                 floor_us = case.bytes(kind) / bw * 1e6
                 results = []
-                for cfg in map(pf_cuda.LaunchConfig._make, INT8_CONFIGS):
+                for cfg in (pf_cuda.LaunchConfig(*c) for c in INT8_CONFIGS):
                     try:
                         us = bench(lambda c=cfg, k=kind, cs=case: _pf_call(cs, k, config=c),
                                    reps)
@@ -336,10 +336,75 @@ def sweep(bw: float) -> None:
                 us = bench(lambda s=splits, cs=case: _pf_call(cs, "bf16", splits=s), reps)
                 line.append(f"{splits}:{us:.1f}({100 * floor_us / us:.0f}%)")
             auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length, pf_cuda._sm_count(
-                torch.device("cuda")), pf_cuda.launch_config(False).block_n)
+                torch.device("cuda")), pf_cuda.launch_config(False))
             print(f"splits {gname} B={batch} L={length} (auto {auto}): " + " ".join(line),
                   flush=True)
             del case
+
+
+SPLIT_CHECK = (1, 2, 4)
+
+
+def split_check(bw: float) -> str:
+    """B=64, L=8192, every geometry and cache format: the chosen split count against 1, 2
+    and 4 splits, in the same run as the table (the heuristic's fit)."""
+    reps = dict(warmup=5, rep=20)
+    lines = ["", "Split check (B=64, L=8192; µs of GPU time at 1 / 2 / 4 splits, and the "
+             "heuristic's choice):", ""]
+    for gname, geo in GEOMETRIES.items():
+        case = Case(geo, 64, 8192)
+        for kind in ("bf16", "int8_kv", "int8_k"):
+            auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
+                                         pf_cuda._sm_count(torch.device("cuda")),
+                                         pf_cuda.launch_config(kind != "bf16"))
+            times = {s: bench(lambda s=s, k=kind, cs=case: _pf_call(cs, k, splits=s), reps)
+                     for s in sorted({*SPLIT_CHECK, auto})}
+            floor_us = case.bytes(kind) / bw * 1e6
+            lines.append(f"- {gname} {kind}: " + ", ".join(
+                f"{s}: {us:.1f} ({100 * floor_us / us:.0f}%)" for s, us in times.items())
+                + f"; chosen {auto}")
+            print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return "\n".join(lines) + "\n"
+
+
+def host_overhead() -> str:
+    """Wall µs per plain call at B=1 (llama3_8b, L=1536; the GPU time is ~14 µs, so the
+    host is what is timed), peeled layer by layer: which part of an eager call costs what."""
+    from pagedfuse.ops.validate import check_metadata
+
+    case = Case(GEOMETRIES["llama3_8b"], 1, 1536)
+    tail = (*case.block_args, case.scale, False, None, case.length, 1)
+    out = torch.empty_like(case.q)
+    steps = {
+        "op call (OpOverloadPacket, grad mode on)":
+            lambda: OPS.paged_attention(case.q, case.k, case.v, *tail),
+        "op call (.default, under inference_mode)":
+            lambda: OPS.paged_attention.default(case.q, case.k, case.v, *tail),
+        "kernel wrapper alone (paged_attention_into)":
+            lambda: pf_cuda.paged_attention_into(out, case.q, case.k, case.v,
+                                                 None, None, *tail),
+        "check_metadata alone": lambda: check_metadata(
+            "paged_attention", case.q, case.k, case.v, *case.block_args, case.scale, None),
+    }
+    lines = ["", "Host cost of one eager call (llama3_8b B=1 L=1536, wall µs per call, "
+             "median of 5 loops of 200 calls):", ""]
+    for name, fn in steps.items():
+        with torch.inference_mode(name.endswith("inference_mode)")):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            loops = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                torch.cuda.synchronize()
+                loops.append((time.perf_counter() - start) / 200 * 1e6)
+        lines.append(f"- {name}: {sorted(loops)[2]:.1f}")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
 
 
 def _pf_call(case: Case, kind: str, config=None, splits=None) -> torch.Tensor:
@@ -367,6 +432,11 @@ def main() -> None:
     from tqdm import tqdm
 
     start = time.time()
+    try:  # short, so before the table; a failure here must not cost the table
+        extra = "" if args.quick else split_check(bw) + host_overhead()
+    except Exception as exc:
+        extra = f"\nSplit check / host cost failed: {exc!r}\n"
+        print(extra, flush=True)
     compiled = compile_peers()
     batches, lengths = ((1, 8), (1536,)) if args.quick else (BATCHES, LENGTHS)
     combos = [(g, b, n) for g in GEOMETRIES.values() for b in batches for n in lengths
@@ -381,7 +451,7 @@ def main() -> None:
         print(f"{geo} B={batch} L={length}: " + ", ".join(
             f"{s} {_fmt(r, m)}" for s, m in zip(SHORT, METHOD_ORDER, strict=True)), flush=True)
         section = markdown(rows, bw, "python benchmarks/bench_decode.py --out ... --plot ...",
-                           time.time() - start)
+                           time.time() - start) + extra
         if args.out:  # rewritten after every case: a cut-short run keeps what it measured
             with open(args.out, "w") as f:
                 f.write(section)

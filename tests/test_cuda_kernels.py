@@ -135,6 +135,23 @@ def test_split_count_does_not_change_the_result(splits):
     assert rel_err(run_kernel(case, splits=splits), reference(case)) < 2e-2
 
 
+@pytest.mark.parametrize(("geo", "batch", "length", "int8", "chosen"), [
+    ((4, 256), 64, 8192, False, 4),  # qwen35: 1 split under-fills the H200, 4 was 3-5% faster
+    ((4, 64), 64, 8192, False, 4),  # tinyllama: 2 splits measured 8-11% slower than 4
+    ((8, 128), 64, 8192, False, 1),  # llama3_8b: grid full at 1 split (4: 11-13% slower)
+    ((4, 256), 64, 1536, False, 1),  # short context: 4 splits measured 7% slower
+    ((4, 256), 8, 8192, False, 8),
+    ((8, 128), 1, 32768, False, 64),
+    ((4, 256), 64, 8192, True, 1),  # INT8: 4 splits measured 2-5% slower than 1
+    ((4, 64), 64, 8192, True, 2),  # INT8 K: 4 splits measured 30% slower than 2
+])
+def test_split_heuristic_matches_the_h200_sweep(geo, batch, length, int8, chosen):
+    from pagedfuse.ops import cuda
+
+    hkv, d = geo
+    assert cuda.num_kv_splits(batch, hkv, d, length, 132, cuda.launch_config(int8)) == chosen
+
+
 PREFILL_CASES = {
     "causal-varlen": dict(q_lens=[5, 1, 17], causal=True),
     "noncausal-varlen-gqa6": dict(q_lens=[3, 9], hq=12, hkv=2),

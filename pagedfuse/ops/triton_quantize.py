@@ -35,6 +35,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr):
     tl.store(s_ptr + row, scale)
 
 
+def next_power_of_2(n: int) -> int:
+    """Host-side twin of triton.next_power_of_2 without its constexpr-function call cost
+    (a few µs per call, paid on every eager launch)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_int8, scale = max|x| / 127 as float32) over the last dim, one program per row."""
     row_len = x.shape[-1]
@@ -44,5 +50,5 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, s.zero_()  # no rows, or empty rows whose max|x| is taken as 0
     rows = x.reshape(-1, row_len).contiguous()
     _quantize_rows_kernel[(rows.shape[0],)](rows, q, s, row_len,
-                                            BLOCK=triton.next_power_of_2(row_len))
+                                            BLOCK=next_power_of_2(row_len))
     return q, s
