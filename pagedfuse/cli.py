@@ -272,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_opts.add_argument("--alibi", action="store_true", help="ALiBi bias instead of RoPE")
     model_opts.add_argument("--layout", choices=LAYOUTS, help="page layout of the KV cache")
     model_opts.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    model_opts.add_argument("--batch", type=_positive, default=2)
-    model_opts.add_argument("--prompt-len", type=_positive, default=12)
+    model_opts.add_argument("--batch", type=_positive, default=4)
+    model_opts.add_argument("--prompt-len", type=_positive, default=512,
+                            help="long enough that reading the paged context matters")
     model_opts.add_argument("--block-size", type=_positive, default=16)
     model_opts.add_argument("--seed", type=int, default=0)
 

@@ -6,12 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import pagedfuse
 from pagedfuse import cli
 from pagedfuse.models import PRESETS
-
-needs_backend = pytest.mark.skipif(not hasattr(pagedfuse, "backend"),
-                                   reason="pagedfuse.backend (the rewrite) has not landed yet")
 
 
 def _parse(*argv: str):
@@ -95,7 +91,6 @@ def test_bench_without_the_script_says_so(monkeypatch, capsys):
     assert "no_such_bench.py not found" in capsys.readouterr().err
 
 
-@needs_backend
 def test_demo_smallest_case_end_to_end(monkeypatch, capsys):
     """Every attention site of the prefill and decode graphs is rewritten and the compiled
     logits match eager within the fp32 tolerance."""
@@ -107,7 +102,8 @@ def test_demo_smallest_case_end_to_end(monkeypatch, capsys):
 
     run_demo = cli.run_demo
     monkeypatch.setattr(cli, "run_demo", recording_run_demo)
-    assert cli.main(["demo", "--preset", "tinyllama", "--steps", "2"]) == 0
+    assert cli.main(["demo", "--preset", "tinyllama", "--steps", "2", "--batch", "2",
+                     "--prompt-len", "12"]) == 0
     (result,) = results
     layers = PRESETS["tinyllama"].num_layers
     assert [(r.num_sites, r.num_rewritten) for r in result.reports] == [(layers, layers)] * 2
@@ -120,7 +116,6 @@ def test_demo_smallest_case_end_to_end(monkeypatch, capsys):
     assert "1/1 cases passed" in out
 
 
-@needs_backend
 def test_explain_reports_the_decode_step(capsys):
     assert cli.main(["explain", "--preset", "llama3", "--kv-cache", "int8"]) == 0
     out = capsys.readouterr().out
