@@ -321,3 +321,31 @@ def test_bad_int8_inputs(case):
 def test_quantize_bad_input():
     with pytest.raises(TypeError, match="x: dtype int32"):
         OPS.quantize_int8(torch.ones(3, 4, dtype=torch.int32))
+
+
+# --- value checks: eager on CPU, behind PAGEDFUSE_CHECKS=1 on a device -----------------------
+
+def test_value_checks_switch(monkeypatch):
+    from pagedfuse.ops.validate import value_checks_enabled
+
+    monkeypatch.delenv("PAGEDFUSE_CHECKS", raising=False)
+    assert value_checks_enabled(torch.device("cpu"))
+    assert not value_checks_enabled(torch.device("cuda"))
+    monkeypatch.setenv("PAGEDFUSE_CHECKS", "1")
+    assert value_checks_enabled(torch.device("cuda"))
+
+
+@pytest.mark.cuda
+def test_cuda_block_ids_checked_on_request_and_clamped_otherwise(monkeypatch):
+    c = {k: v.cuda() for k, v in make_case(D=128, seed=13).items()}
+    bad = c["block_table"].clone()
+    bad[1, 0] = 10**6
+    monkeypatch.setenv("PAGEDFUSE_CHECKS", "1")
+    with pytest.raises(ValueError, match="block_table: entries in use span"):
+        _call(c, block_table=bad)
+    monkeypatch.delenv("PAGEDFUSE_CHECKS")
+    out = _call(c, block_table=bad)  # no host sync: the kernel clamps the id, reads in bounds
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    good = _call(c)
+    assert torch.equal(out[0], good[0]) and torch.equal(out[4:], good[4:])  # other sequences
