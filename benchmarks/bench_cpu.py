@@ -89,16 +89,15 @@ def cases(num_q_heads: int, num_kv_heads: int, head_dim: int):
     q4 = query[:, :, None, :]  # [B, Hq, 1, D]
     mask = (torch.arange(LENGTH)[None, :] < seq_lens[:, None])[:, None, None, :]
 
-    def eager():
-        k = k_cache[table].reshape(BATCH, LENGTH, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache[table].reshape(BATCH, LENGTH, num_kv_heads, head_dim).transpose(1, 2)
-        return F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=True)
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, L, D] through the block table."""
+        return cache[table].reshape(BATCH, LENGTH, num_kv_heads, head_dim).transpose(1, 2)
 
-    k_flat = k_cache[table].reshape(BATCH, LENGTH, num_kv_heads, head_dim)
-    k_flat = k_flat.transpose(1, 2).contiguous()
-    v_flat = v_cache[table].reshape(BATCH, LENGTH, num_kv_heads, head_dim)
-    v_flat = v_flat.transpose(1, 2).contiguous()
+    def eager():
+        return F.scaled_dot_product_attention(q4, gather(k_cache), gather(v_cache),
+                                              attn_mask=mask, scale=scale, enable_gqa=True)
+
+    k_flat, v_flat = gather(k_cache).contiguous(), gather(v_cache).contiguous()
 
     def contiguous():
         return F.scaled_dot_product_attention(q4, k_flat, v_flat, attn_mask=mask, scale=scale,

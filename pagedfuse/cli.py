@@ -149,7 +149,7 @@ def _timed_generate(model: PagedDecoder, prompts: torch.Tensor, steps: int,
     return gen, prompts.shape[0] / step_seconds
 
 
-def _model_and_prompts(case: Case, args: argparse.Namespace):
+def _model_and_prompts(case: Case, args: argparse.Namespace) -> tuple[PagedDecoder, torch.Tensor]:
     model = PagedDecoder(case.config(args.block_size), device=args.device, seed=args.seed)
     prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                             generator=torch.Generator().manual_seed(args.seed))
@@ -214,14 +214,7 @@ def run_demo(args: argparse.Namespace) -> list[CaseResult]:
     return results
 
 
-def _require_backend() -> None:
-    if not hasattr(pagedfuse, "backend"):
-        raise SystemExit("pagedfuse: the torch.compile backend (pagedfuse.backend) is not "
-                         "available in this build")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    _require_backend()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run_demo(args)
@@ -235,7 +228,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """The report for one decode step (after an eager prefill), without compiling."""
-    _require_backend()
     torch._dynamo.reset()  # another model's shape history would make head_dim look dynamic
     case = single_case(args)
     model, prompts = _model_and_prompts(case, args)

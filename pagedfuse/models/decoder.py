@@ -27,12 +27,18 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) of x [B, S, H, D] at positions [B, S]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[..., None, None] * inv_freq  # [B, S, 1, D/2]
-    cos, sin = angles.cos(), angles.sin()
+def rope_angles(positions: torch.Tensor, head_dim: int,
+                theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, S, 1, D/2] of the rotary angles at positions [B, S], shared by q and k."""
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=positions.device,
+                                       dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[..., None, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of x [B, S, H, D] with ``rope_angles``' cos, sin."""
     x1, x2 = x.to(torch.float32).chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -73,8 +79,8 @@ class PagedAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         if not cfg.alibi:
-            q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions,
-                                                                        cfg.rope_theta)
+            cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

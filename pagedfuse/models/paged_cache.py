@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from pagedfuse.models.presets import DecoderConfig
+from pagedfuse.ops.reference import quantize_int8_reference
 
 
 class LayerCache(NamedTuple):
@@ -31,14 +32,6 @@ class StepInputs(NamedTuple):
     seq_lens: torch.Tensor  # [B] int32, keys per sequence after this step's write
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 over the last dim: scale = max|x| / 127, round half to even, clamp."""
-    xf = x.to(torch.float32)
-    scale = xf.abs().amax(dim=-1) / 127.0
-    q = torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
-    return q.clamp(-127, 127).to(torch.int8), scale
-
-
 def _token_major(t: torch.Tensor, layout: str) -> torch.Tensor:
     """A view with block_size as dim 1 (hnd storage transposed), for writing by slot."""
     return t if layout == "nhd" else t.transpose(1, 2)
@@ -51,7 +44,7 @@ def write_kv(cache: LayerCache, slot_mapping: torch.Tensor, key: torch.Tensor,
     for pages, scales, rows in ((cache.key, cache.key_scale, key),
                                 (cache.value, cache.value_scale, value)):
         if scales is not None:
-            rows, row_scales = quantize_rows(rows)
+            rows, row_scales = quantize_int8_reference(rows)
             _token_major(scales, config.layout)[block, offset] = row_scales
         _token_major(pages, config.layout)[block, offset] = rows.to(pages.dtype)
 
@@ -84,12 +77,11 @@ class PagedKVCache:
     slots hold random values, so a masking bug shows up as wrong numbers."""
 
     def __init__(self, config: DecoderConfig, batch: int, max_len: int,
-                 device: torch.device | str = "cpu", seed: int = 0,
-                 num_blocks: int | None = None) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.config = config
         self.device = torch.device(device)
         self.max_blocks = -(-max_len // config.block_size)
-        num_blocks = batch * self.max_blocks if num_blocks is None else num_blocks
+        num_blocks = batch * self.max_blocks
         gen = torch.Generator().manual_seed(seed)
         self._free = torch.randperm(num_blocks, generator=gen).tolist()
         self.blocks: list[list[int]] = [[] for _ in range(batch)]
@@ -130,8 +122,6 @@ class PagedKVCache:
                 raise ValueError(f"tokens: sequence {b} would hold {end} tokens, more than the "
                                  f"cache's {self.max_blocks * bs}")
             while len(self.blocks[b]) < need:
-                if not self._free:
-                    raise RuntimeError("PagedKVCache: out of free blocks")
                 self.blocks[b].append(self._free.pop())
             positions.append(list(range(start, end)))
             slots.extend(self.blocks[b][p // bs] * bs + p % bs for p in range(start, end))
