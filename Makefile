@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m ruff check pagedfuse tests benchmarks
+test: lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -135,7 +135,7 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     if constexpr (kInt8) {
       q_mul[r] = a.q_scale[qrow] * a.scale;
     } else {
-      const int64_t elem = a.q_dtype == Dtype::f32 ? 4 : 2;
+      const int64_t elem = float_bytes(a.q_dtype);
       const void* src = static_cast<const char*>(a.query) +
                         (token(r) * a.q_stride[0] + head(r) * a.q_stride[1]) * elem;
       for (int64_t d = 0; d < D; ++d) q[r * D + d] = load_scalar(src, a.q_dtype, d);
@@ -213,7 +213,7 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     const int64_t i = it.tok0 + (r % per_head) / G, h = head(r);
     if (it.nsplit == 1) {
       void* dst = static_cast<char*>(a.out) +
-                  ((seq_start + i) * Hq + h) * D * (a.q_dtype == Dtype::f32 ? 4 : 2);
+                  ((seq_start + i) * Hq + h) * D * float_bytes(a.q_dtype);
       store_row(dst, a.q_dtype, acc + r * D, l[r] > 0.0f ? 1.0f / l[r] : 0.0f, D);
     } else {
       const int64_t idx = (it.partial_row + i) * Hq + h;

@@ -12,6 +12,9 @@ namespace pagedfuse {
 
 enum class Dtype : int { f32 = 0, bf16 = 1, f16 = 2, i8 = 3 };
 
+// Bytes per element of a float dtype (query, out, quantize input).
+inline int64_t float_bytes(Dtype dt) { return dt == Dtype::f32 ? 4 : 2; }
+
 // Distinct types for the two 16-bit floats so templates can tell them apart.
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };

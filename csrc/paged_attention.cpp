@@ -71,7 +71,7 @@ Plan make_plan(const PagedArgs& a) {
 // out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max m): the softmax over all keys.
 void combine(const PagedArgs& a, const Plan& plan, const Partials& p) {
   const int64_t Hq = a.num_q_heads, D = a.head_dim;
-  const int64_t elem = a.q_dtype == Dtype::f32 ? 4 : 2;
+  const int64_t elem = float_bytes(a.q_dtype);
   std::vector<int64_t> rows;  // (split sequence, local token) pairs, flattened
   for (int64_t k = 0; k < int64_t(plan.split.size()); ++k) {
     const int64_t b = plan.split[k].b;
@@ -162,7 +162,7 @@ void paged_attention(PagedArgs a) {
   std::vector<int32_t> q_sum;
   if (a.key_scale) {  // quantise the query once per token and head, before any split
     const int64_t rows = a.num_tokens * Hq;
-    const int64_t elem = a.q_dtype == Dtype::f32 ? 4 : 2;
+    const int64_t elem = float_bytes(a.q_dtype);
     q_i8.resize(rows * D);
     q_scale.resize(rows);
     q_sum.resize(rows);

@@ -31,7 +31,7 @@ float quantize_row(const void* src, Dtype dt, int64_t n, int8_t* dst) {
 
 void quantize_rows(const void* x, Dtype dt, int64_t rows, int64_t n, int8_t* q, float* scale,
                    int threads) {
-  const int64_t elem = dt == Dtype::f32 ? 4 : 2;
+  const int64_t elem = float_bytes(dt);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 65536)
   for (int64_t r = 0; r < rows; ++r) {
     scale[r] = quantize_row(static_cast<const char*>(x) + r * n * elem, dt, n, q + r * n);

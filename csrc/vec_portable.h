@@ -9,7 +9,7 @@ inline float dot(const float* q, const T* k, int64_t n) {
   return s;
 }
 
-inline int32_t dot_i8(const int8_t* q, const int8_t* k, int64_t n, int32_t /*q_sum*/) {
+inline int32_t dot_i8(const int8_t* q, const int8_t* k, int64_t n) {
   int32_t s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < n; ++d) s += int32_t(q[d]) * int32_t(k[d]);
@@ -26,11 +26,11 @@ inline void dots_rows(const float* q, int64_t rows, const KT* const* k, int64_t 
   }
 }
 
-inline void dots_rows_i8(const int8_t* q, const int32_t* q_sum, int64_t rows,
+inline void dots_rows_i8(const int8_t* q, const int32_t* /*q_sum*/, int64_t rows,
                          const int8_t* const* k, int64_t n, int64_t n_dim, float* s) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) {
-      s[r * kTile + j] = static_cast<float>(dot_i8(q + r * n_dim, k[j], n_dim, q_sum[r]));
+      s[r * kTile + j] = static_cast<float>(dot_i8(q + r * n_dim, k[j], n_dim));
     }
   }
 }

@@ -105,9 +105,12 @@ def launch_plan(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: 
     return LaunchPlan(group, group_pad, qt, block_m, splits, q_bound <= 1, config)
 
 
-def paged_attention_into(out, query, key_cache, value_cache, key_scale, value_scale,
-                         block_table, seq_lens, query_start_loc, scale, causal, attn_bias,
-                         max_seq_len, max_query_len, config: LaunchConfig | None = None,
+def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, key_scale: torch.Tensor | None,
+                         value_scale: torch.Tensor | None, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                         causal: bool, attn_bias: torch.Tensor | None, max_seq_len: int | None,
+                         max_query_len: int | None, config: LaunchConfig | None = None,
                          splits: int | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
     (the benchmark's sweeps)."""

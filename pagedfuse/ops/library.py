@@ -12,7 +12,12 @@ import torch
 
 from pagedfuse.ops import cpu
 from pagedfuse.ops.reference import paged_attention_reference, quantize_int8_reference
-from pagedfuse.ops.validate import check_metadata, check_values, value_checks_enabled
+from pagedfuse.ops.validate import (
+    check_metadata,
+    check_quantize_input,
+    check_values,
+    value_checks_enabled,
+)
 
 Tensor = torch.Tensor
 
@@ -91,19 +96,8 @@ def paged_attention_int8(
 @torch.library.custom_op("pagedfuse::quantize_int8", mutates_args=())
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8 over the last dim: (x_int8, scale = max|x| / 127 as float32)."""
-    _check_quantize_input(x)
-    q, s = quantize_int8_reference(x)
-    return q, s
-
-
-def _check_quantize_input(x: Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x: dtype {str(x.dtype).removeprefix('torch.')} not in "
-                        "(float32, bfloat16, float16)")
-    if x.dim() < 1:
-        raise ValueError("x: needs at least one dim (rows are quantized over the last dim)")
+    check_quantize_input(x)
+    return quantize_int8_reference(x)
 
 
 @paged_attention.register_fake
@@ -125,7 +119,7 @@ def _paged_attention_int8_fake(query, key_cache, value_cache, key_scale, value_s
 
 @quantize_int8.register_fake
 def _quantize_int8_fake(x):
-    _check_quantize_input(x)
+    check_quantize_input(x)
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -150,7 +144,7 @@ def register_device_kernels(device_type: str, kernel: PagedKernel,
 
     @quantize_int8.register_kernel(device_type)
     def _quantize(x):
-        _check_quantize_input(x)
+        check_quantize_input(x)
         return quantize(x)
 
 

@@ -20,9 +20,7 @@ def _bias_slice(attn_bias: torch.Tensor, b: int, n: int, length: int) -> torch.T
     """Sequence b's [Hq or 1, n, length] slice of a bias broadcastable to [B, Hq, Mq, Mk]."""
     bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
     bias = bias[b if bias.shape[0] > 1 else 0]
-    rows = slice(0, n) if bias.shape[1] > 1 else slice(0, 1)
-    cols = slice(0, length) if bias.shape[2] > 1 else slice(0, 1)
-    return bias[:, rows, cols]
+    return bias[:, :n, :length]  # a broadcast (size-1) dim stays size 1
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:

@@ -52,20 +52,13 @@ def value_checks_enabled(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes every implementation needs, read off the shapes."""
+    """The sizes ``check_values`` compares tensor values against, read off the shapes."""
 
     num_tokens: int
-    num_q_heads: int
-    head_dim: int
     num_blocks: int
     block_size: int
-    num_kv_heads: int
     batch: int
     max_blocks: int
-
-    @property
-    def group(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
 
 
 def _static(values: tuple) -> bool:
@@ -129,6 +122,14 @@ def _check_scale_tensor(name: str, s: torch.Tensor, cache: torch.Tensor, dev: to
                          "([num_blocks, block_size, num_kv_heads] of the cache)")
     if not fake and s.numel() and s.data_ptr() % 4:
         raise ValueError(f"{name}: data pointer is not 4-byte aligned")
+
+
+def check_quantize_input(x: torch.Tensor) -> None:
+    """quantize_int8's argument: a float tensor with a last dim to quantize over."""
+    _tensor("x", x)
+    _dtype("x", x, FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x: needs at least one dim (rows are quantized over the last dim)")
 
 
 def check_metadata(
@@ -226,8 +227,7 @@ def check_metadata(
 
     if attn_bias is not None:
         _tensor("attn_bias", attn_bias)
-        if attn_bias.dtype != torch.bool:
-            _dtype("attn_bias", attn_bias, (torch.bool, *FLOAT_DTYPES))
+        _dtype("attn_bias", attn_bias, (torch.bool, *FLOAT_DTYPES))
         _device("attn_bias", attn_bias, dev)
         if attn_bias.dim() > 4 or attn_bias.dim() < 2:
             raise ValueError("attn_bias: must have 2 to 4 dims broadcastable to "
@@ -238,8 +238,7 @@ def check_metadata(
                 lead[0] not in (1, batch) or lead[1] not in (1, num_q_heads)):
             raise ValueError(f"attn_bias: shape {tuple(attn_bias.shape)} does not broadcast to "
                              f"[batch={batch}, num_q_heads={num_q_heads}, max_q_len, max_seq_len]")
-    return Geometry(num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads,
-                    batch, max_blocks)
+    return Geometry(num_tokens, num_blocks, block_size, batch, max_blocks)
 
 
 def check_values(
@@ -256,11 +255,12 @@ def check_values(
         return
     sl = seq_lens.to(torch.int64)
     qsl = query_start_loc.to(torch.int64)
-    if int(sl.min()) < 0:
-        raise ValueError(f"seq_lens: entries must be >= 0, got min {int(sl.min())}")
+    shortest, longest = int(sl.min()), int(sl.max())
+    if shortest < 0:
+        raise ValueError(f"seq_lens: entries must be >= 0, got min {shortest}")
     capacity = geo.max_blocks * geo.block_size
-    if int(sl.max()) > capacity:
-        raise ValueError(f"seq_lens: max {int(sl.max())} exceeds the block table's capacity "
+    if longest > capacity:
+        raise ValueError(f"seq_lens: max {longest} exceeds the block table's capacity "
                          f"{geo.max_blocks} blocks x {geo.block_size} = {capacity}")
     if int(qsl[0]) != 0:
         raise ValueError(f"query_start_loc: must start at 0, got {int(qsl[0])}")
@@ -270,8 +270,9 @@ def check_values(
     if int(qsl[-1]) != geo.num_tokens:
         raise ValueError(f"query_start_loc: last entry {int(qsl[-1])} must equal query's "
                          f"num_tokens {geo.num_tokens}")
-    if bool((q_lens > sl).any()):
-        b = int(torch.nonzero(q_lens > sl)[0, 0])
+    more_queries_than_keys = q_lens > sl
+    if bool(more_queries_than_keys.any()):
+        b = int(torch.nonzero(more_queries_than_keys)[0, 0])
         raise ValueError(f"query_start_loc: sequence {b} has {int(q_lens[b])} query tokens but "
                          f"seq_lens[{b}] = {int(sl[b])} keys (queries are the last keys)")
     used_blocks = (sl + geo.block_size - 1) // geo.block_size
@@ -282,7 +283,7 @@ def check_values(
         if lo < 0 or hi >= geo.num_blocks:
             raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside the "
                              f"cache's {geo.num_blocks} blocks")
-    longest, longest_q = int(sl.max()), int(q_lens.max())
+    longest_q = int(q_lens.max())
     if max_seq_len is not None and max_seq_len < longest:
         raise ValueError(f"max_seq_len: hint {max_seq_len} < longest sequence {longest}")
     if max_query_len is not None and max_query_len < longest_q:
