@@ -47,12 +47,13 @@ class Layout:
     sizes: tuple[tuple[str, object], ...]
 
     @classmethod
-    def of(cls, dims: tuple[tuple[str, ...], ...], sizes: dict[str, object]) -> Layout:
+    def of(cls, dims: Dims, sizes: dict[str, object]) -> Layout:
         kept = {a: s for a, s in sizes.items() if not is_one(s)}
         return cls(tuple(tuple(a for a in d if a in kept) for d in dims), tuple(kept.items()))
 
     def size(self, atom: str) -> object:
-        return dict(self.sizes)[atom]
+        """The atom's size; 1 for an atom left out (atoms of size 1 are not kept)."""
+        return dict(self.sizes).get(atom, 1)
 
     def atoms(self) -> tuple[str, ...]:
         return tuple(a for d in self.dims for a in d)

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from pagedfuse.ops.validate import INDEX_DTYPES
 from pagedfuse.patterns.axes import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
 from pagedfuse.patterns.spelling import arg, describe, fake, op_of
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,9 @@ class SourceView:
 
     name: str  # "NHD", "HND" or "flat" (block_size 1: one slot per row)
     layout: Layout  # of the gather's output under this hypothesis
-    op_view: str  # "as_is", "transpose12" or "unsqueeze1"
+    # The method call (name, args) turning the source into the op's [N, bs, H, ...] view;
+    # None: the source is that view already.
+    op_view: tuple[str, tuple[int, ...]] | None
 
 
 def _int_index(node: object) -> str | None:
@@ -162,13 +163,13 @@ def walk(node: object, what: str) -> Trace | str:
     steps: list[Step] = []
     cur = node
     while True:
-        recognise = _GATHERS.get(op_of(cur))
+        op = op_of(cur)
+        recognise = _GATHERS.get(op)
         found = recognise(cur) if recognise else None
         if isinstance(found, Gather):
             return Trace(found, tuple(reversed(steps)))
         if isinstance(found, str):
             return f"{what}: {found}"
-        op = op_of(cur)
         if op in LAYOUT_OPS or op == "cast":
             steps.append(Step(cur, "cast" if op == "cast" else "layout"))
             cur = cur.args[0]
@@ -204,29 +205,24 @@ def _walk_dequant(node: fx.Node, later: list[Step], what: str) -> Trace | str:
 def source_views(gather: Gather, role: str) -> list[SourceView]:
     """Layout hypotheses for a gather's output: a data cache ("data") is [N, bs, H, D] (NHD),
     [N, H, bs, D] (HND) or a flat slot cache [S, H, D]; its scales ("scale") the same less D."""
-    src, idx = fake(gather.source), fake(gather.index)
-    lead = (("batch",), ("block",)) if idx.dim() == 2 else (("block",),)
-    if gather.flattened:
-        lead = (("batch", "block"),)
-    sizes = dict(zip(("batch", "block") if idx.dim() == 2 else ("block",), idx.shape,
-                     strict=True))
+    idx, shape = fake(gather.index), tuple(fake(gather.source).shape)
+    atoms = ("batch", "block")[2 - idx.dim():]
+    lead = (atoms,) if gather.flattened else tuple((a,) for a in atoms)
+    sizes = dict(zip(atoms, idx.shape, strict=True))
     tail = (("dim",),) if role == "data" else ()
-    paged_rank = 4 if role == "data" else 3
-    shape = tuple(src.shape)
-    views = []
+    paged_rank = 3 + len(tail)
     if len(shape) == paged_rank - 1:
-        sizes.update(head=shape[1], **({"dim": shape[2]} if role == "data" else {}))
-        views.append(SourceView("flat", Layout.of(lead + (("head",),) + tail, sizes),
-                                "unsqueeze1"))
-    elif len(shape) == paged_rank:
-        dim = {"dim": shape[3]} if role == "data" else {}
-        nhd = dict(sizes, slot=shape[1], head=shape[2], **dim)
-        hnd = dict(sizes, head=shape[1], slot=shape[2], **dim)
-        views.append(SourceView("NHD", Layout.of(lead + (("slot",), ("head",)) + tail, nhd),
-                                "as_is"))
-        views.append(SourceView("HND", Layout.of(lead + (("head",), ("slot",)) + tail, hnd),
-                                "transpose12"))
-    return views
+        flat = dict(sizes, head=shape[1], **({"dim": shape[2]} if tail else {}))
+        return [SourceView("flat", Layout.of(lead + (("head",),) + tail, flat),
+                           ("unsqueeze", (1,)))]
+    if len(shape) != paged_rank:
+        return []
+    dim = {"dim": shape[3]} if tail else {}
+    nhd = dict(sizes, slot=shape[1], head=shape[2], **dim)
+    hnd = dict(sizes, head=shape[1], slot=shape[2], **dim)
+    return [SourceView("NHD", Layout.of(lead + (("slot",), ("head",)) + tail, nhd), None),
+            SourceView("HND", Layout.of(lead + (("head",), ("slot",)) + tail, hnd),
+                       ("transpose", (1, 2)))]
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from pagedfuse.patterns.axes import Layout, apply_layout_op, is_one, same_size
+from pagedfuse.ops.validate import INDEX_DTYPES
+from pagedfuse.patterns.axes import LAYOUT_OPS, Layout, apply_layout_op, is_one, same_size
 from pagedfuse.patterns.spelling import arg, describe, fake, op_of
 
-_SHAPE_OPS = frozenset({"reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous",
-                        "getitem", "expand", "transpose", "permute"})
+_SHAPE_OPS = LAYOUT_OPS - {"repeat_interleave"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ def _arange(node: fx.Node) -> Layout | None:
 
 def _lengths(node: fx.Node) -> Layout | None:
     t = fake(node)
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32,
-                                                                           torch.int64):
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in INDEX_DTYPES:
         return None
     return Layout.of((("batch",),), {"batch": t.shape[0]})
 

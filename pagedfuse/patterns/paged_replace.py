@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -19,23 +20,23 @@ from pagedfuse.patterns.kv_trace import SourceView
 from pagedfuse.patterns.paged_site import PagedSite
 from pagedfuse.patterns.spelling import arg, fake
 
-_VIEWS = {"transpose12": ("transpose", (1, 2)), "unsqueeze1": ("unsqueeze", (1,))}
-
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int) -> int | fx.Node:
     size = fake(node).shape[dim]
     return size if isinstance(size, int) else graph.call_method("size", (node, dim))
 
 
-def _times(graph: fx.Graph, a: int | fx.Node, b: int | fx.Node) -> int | fx.Node:
+def _arith(graph: fx.Graph, op: Callable[[object, object], object], a: int | fx.Node,
+           b: int | fx.Node) -> int | fx.Node:
+    """``op(a, b)`` now when both are ints, else as a graph node (a dynamic size)."""
     both_int = isinstance(a, int) and isinstance(b, int)
-    return a * b if both_int else graph.call_function(operator.mul, (a, b))
+    return op(a, b) if both_int else graph.call_function(op, (a, b))
 
 
 def _op_view(graph: fx.Graph, source: fx.Node, view: SourceView) -> fx.Node:
-    if view.op_view not in _VIEWS:
+    if view.op_view is None:
         return source
-    method, args = _VIEWS[view.op_view]
+    method, args = view.op_view
     return graph.call_method(method, (source, *args))
 
 
@@ -48,7 +49,7 @@ def _block_table(graph: fx.Graph, site: PagedSite) -> tuple[fx.Node, int | fx.No
     else:  # per-token slots of one packed sequence
         batch, blocks = 1, _size(graph, table, 0)
         table = graph.call_method("unsqueeze", (table, 0))
-    return table, batch, _times(graph, blocks, site.size("slot"))
+    return table, batch, _arith(graph, operator.mul, blocks, site.size("slot"))
 
 
 def _masking(graph: fx.Graph, site: PagedSite, batch: int | fx.Node, keys: int | fx.Node,
@@ -91,9 +92,7 @@ def replace_paged_sdpa(graph: fx.Graph, match: Match) -> fx.Node:
         table, batch, keys = _block_table(graph, site)
         q_len = _size(graph, q, 2)
         seq_lens, causal, bias = _masking(graph, site, batch, keys, q_len)
-        batch_plus_one = batch + 1 if isinstance(batch, int) else \
-            graph.call_function(operator.add, (batch, 1))
-        starts = graph.call_function(torch.arange, (batch_plus_one,),
+        starts = graph.call_function(torch.arange, (_arith(graph, operator.add, batch, 1),),
                                      {"dtype": torch.int32, "device": site.q_fake.device})
         query_start_loc = graph.call_function(operator.mul, (starts, q_len))
         scale = arg(site.sdpa, "scale")

@@ -47,15 +47,14 @@ class PagedSite:
 
     def size(self, atom: str) -> object:
         """Size of a K atom ("batch", "block", "slot", "head", "dim"); 1 where left out."""
-        return dict(self.key.final.sizes).get(atom, 1)
+        return self.key.final.size(atom)
 
     @property
     def causal_as_bias(self) -> bool:
         """SDPA's is_causal is top-left aligned, the op's bottom-right: they agree only when
         there are as many queries as keys; otherwise the mask is built as an attn_bias."""
-        keys = self.size("block") * self.size("slot")
         return bool(arg(self.sdpa, "is_causal", False)) and not same_size(
-            self.q_fake.shape[2], keys)
+            self.q_fake.shape[2], _positions(self.key.final))
 
     @property
     def rep(self) -> object:
@@ -110,16 +109,15 @@ def match_paged_sdpa(sdpa: fx.Node) -> Match | str:
     mask = arg(sdpa, "attn_mask")
     reading = None
     if isinstance(mask, fx.Node):
-        reading = read_mask(mask, dict(key.final.sizes).get("batch", 1),
-                            _positions(key.final))
+        reading = read_mask(mask, key.final.size("batch"), _positions(key.final))
     site = PagedSite(sdpa, query, key, value, mask, reading)
     region = frozenset(key.trace.nodes() | value.trace.nodes())
     return Match(sdpa, f"pagedfuse.{site.op}", _describe(site), region, site)
 
 
 def _positions(layout: Layout) -> object:
-    sizes = dict(layout.sizes)
-    return sizes.get("block", 1) * sizes.get("slot", 1)
+    """Keys per sequence: blocks x slots."""
+    return layout.size("block") * layout.size("slot")
 
 
 def _describe(site: PagedSite) -> str:

@@ -126,15 +126,13 @@ def _op_view_meta(source: fx.Node, view: SourceView) -> torch.Tensor | None:
     """A meta tensor shaped and strided like the cache view the op will be handed (None when
     sizes or strides are dynamic: the op checks those at run time)."""
     t = fake(source)
-    shape, stride = list(t.shape), list(t.stride())
-    if not all(isinstance(v, int) for v in (*shape, *stride)):
+    if not all(isinstance(v, int) for v in (*t.shape, *t.stride())):
         return None
-    if view.op_view == "transpose12":
-        shape[1], shape[2], stride[1], stride[2] = shape[2], shape[1], stride[2], stride[1]
-    elif view.op_view == "unsqueeze1":
-        shape.insert(1, 1)
-        stride.insert(1, stride[0])
-    return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if view.op_view is None:
+        return meta
+    method, args = view.op_view
+    return getattr(meta, method)(*args)
 
 
 def _strides(match: Match) -> str | None:
@@ -208,10 +206,8 @@ def _no_write_in_between(match: Match) -> str | None:
     site = _site(match)
     traces = [site.key.trace, site.value.trace]
     traces += [t.scale for t in traces if t.scale is not None]
-    order = {n: i for i, n in enumerate(site.sdpa.graph.nodes)}
-    first = min((t.gather.node for t in traces), key=order.__getitem__)
     tensors = {t.gather.source for t in traces} | {site.index}
-    return written_between(site.sdpa.graph, tensors, first, site.sdpa)
+    return written_between(site.sdpa.graph, tensors, [t.gather.node for t in traces], site.sdpa)
 
 
 def _no_grad_needed(match: Match) -> str | None:

@@ -8,7 +8,7 @@ import networkx as nx
 import torch.fx as fx
 
 from pagedfuse.patterns.axes import LAYOUT_OPS
-from pagedfuse.patterns.spelling import describe, op_of
+from pagedfuse.patterns.spelling import describe, is_mutation, op_of
 
 
 def dataflow(graph: fx.Graph) -> nx.DiGraph:
@@ -40,13 +40,6 @@ def escapes(graph: fx.Graph, region: set[fx.Node], sources: Iterable[fx.Node],
     return None
 
 
-def is_mutation(node: fx.Node) -> bool:
-    """An in-place op (``x.index_copy_(...)``, ``x[i] = y``): it has effects but no users."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and isinstance(name, str) and (
-        name == "setitem" or name.endswith("_") and not name.startswith("__"))
-
-
 def _aliases(node: fx.Node) -> set[fx.Node]:
     """``node`` and every view of it built by layout ops."""
     found, todo = {node}, [node]
@@ -59,15 +52,17 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
     return found
 
 
-def written_between(graph: fx.Graph, tensors: Iterable[fx.Node], start: fx.Node,
+def written_between(graph: fx.Graph, tensors: Iterable[fx.Node], starts: Iterable[fx.Node],
                     end: fx.Node) -> str | None:
-    """A write to one of ``tensors`` (or a view of it) placed after ``start`` and before
-    ``end``: the fused op, which reads at ``end``, would see it; the gather did not."""
+    """A write to one of ``tensors`` (or a view of it) placed after the first of ``starts``
+    (the gathers) and before ``end``: the fused op, which reads at ``end``, would see it; the
+    gather did not."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    start = min(order[s] for s in starts)
     for tensor in tensors:
         for alias in _aliases(tensor):
             for user in alias.users:
-                if is_mutation(user) and order[start] < order[user] < order[end]:
+                if is_mutation(user) and start < order[user] < order[end]:
                     return (f"{describe(user)} writes {tensor.name} between the gather and "
                             "the attention")
     return None

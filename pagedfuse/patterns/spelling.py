@@ -146,6 +146,19 @@ def fake(node: object) -> Any:
     return meta.get("example_value", meta.get("val"))
 
 
+def is_mutation(node: fx.Node) -> bool:
+    """An in-place op (``x.index_copy_(...)``, ``x[i] = y``): it has effects but no users."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and isinstance(name, str) and (
+        name == "setitem" or name.endswith("_") and not name.startswith("__"))
+
+
+def has_effects(node: fx.Node) -> bool:
+    """In place, or impure to FX (e.g. random): never erased as dead, never one value with a
+    look-alike."""
+    return is_mutation(node) or node.op == "call_function" and node.is_impure()
+
+
 def describe(node: object) -> str:
     """A short human name for a node, for reasons in the report."""
     if not isinstance(node, fx.Node):
@@ -165,8 +178,7 @@ def same_value(a: object, b: object) -> bool:
     if a.op != b.op or a.target != b.target or a.op not in ("call_function", "call_method") \
             or a.kwargs.keys() != b.kwargs.keys() or len(a.args) != len(b.args):
         return False
-    if str(a.target).endswith("_") or op_of(a) is None and a.op == "call_method" or \
-            a.op == "call_function" and a.is_impure():
+    if has_effects(a) or op_of(a) is None and a.op == "call_method":
         return False  # in-place, random or unknown: not provably the same value
     pairs = list(zip(a.args, b.args, strict=True)) + [(a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
     return all(_same_arg(x, y) for x, y in pairs)

@@ -13,8 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from pagedfuse.patterns.axes import same_size
 from pagedfuse.patterns.base import Check, Match, Pattern
-from pagedfuse.patterns.region import is_mutation
-from pagedfuse.patterns.spelling import fake
+from pagedfuse.patterns.spelling import fake, has_effects
 from pagedfuse.rewrite.anchors import find_anchors, site_name
 from pagedfuse.rewrite.report import Report, SiteReport
 
@@ -124,8 +123,7 @@ def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
     todo = [node]
     while todo:
         node = todo.pop()
-        if node.users or node.op not in ("call_function", "call_method") or \
-                is_mutation(node) or node.op == "call_function" and node.is_impure():
+        if node.users or node.op not in ("call_function", "call_method") or has_effects(node):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
