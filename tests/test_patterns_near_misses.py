@@ -197,3 +197,12 @@ def test_unknown_attention_arguments_are_reported():
     failed = report.sites[0].first_failure
     assert (failed.name, failed.reason) == ("arguments", "unsupported SDPA arguments ['softcap']")
     assert swaps == [] and "softcap = 30.0" in code
+
+
+def test_device_without_a_kernel(monkeypatch):
+    """Where only the slow reference serves the op (no kernel registered for the device), the
+    site stays as written."""
+    monkeypatch.setattr(pagedfuse.ops.library, "_kernel_devices", set())
+    spec = Spec()
+    assert_kept(attention(spec), make_case(spec).args(), "kernel",
+                "no pagedfuse paged_attention kernel for cpu (only the slow reference)")

@@ -1,6 +1,7 @@
 """torch.ops.pagedfuse.*: importing this package registers the ops and their kernels."""
 
 from pagedfuse.ops.library import (
+    kernel_devices,
     paged_attention,
     paged_attention_int8,
     quantize_int8,
@@ -18,6 +19,7 @@ else:
 
 __all__ = [
     "head_dim_reason",
+    "kernel_devices",
     "paged_attention",
     "paged_attention_int8",
     "paged_attention_reference",

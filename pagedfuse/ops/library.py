@@ -123,9 +123,18 @@ def _quantize_int8_fake(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+_kernel_devices: set[str] = set()
+
+
+def kernel_devices() -> frozenset[str]:
+    """Device types whose kernels (not the slow reference) serve the paged ops."""
+    return frozenset(_kernel_devices)
+
+
 def register_device_kernels(device_type: str, kernel: PagedKernel,
                             quantize: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
     """Route all three ops on ``device_type`` to ``kernel`` / ``quantize``."""
+    _kernel_devices.add(device_type)
 
     @paged_attention.register_kernel(device_type)
     def _float(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,

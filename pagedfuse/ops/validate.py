@@ -45,6 +45,11 @@ def head_dim_reason(op: str, device_type: str, head_dim: int) -> str | None:
     return f"head_dim {head_dim} not in {{{listed}}} for {op} on {device_type}"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, for messages."""
+    return str(dtype).removeprefix("torch.")
+
+
 def value_checks_enabled(device: torch.device) -> bool:
     """Value checks are eager on CPU; elsewhere they sit behind PAGEDFUSE_CHECKS=1."""
     return device.type == "cpu" or os.environ.get("PAGEDFUSE_CHECKS", "0") == "1"
@@ -80,8 +85,8 @@ def _rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
 
 def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} not in ({names})")
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name}: dtype {dtype_name(t.dtype)} not in ({names})")
 
 
 def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -171,12 +176,12 @@ def check_metadata(
             _dtype("value_cache", value_cache, (query.dtype, torch.int8))
             if value_scale is not None:
                 raise ValueError("value_scale: must be None when value_cache is "
-                                 f"{str(value_cache.dtype).removeprefix('torch.')}")
+                                 f"{dtype_name(value_cache.dtype)}")
     else:
         for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
             if cache.dtype != query.dtype:
-                raise TypeError(f"{name}: dtype {str(cache.dtype).removeprefix('torch.')} must "
-                                f"match query's {str(query.dtype).removeprefix('torch.')}")
+                raise TypeError(f"{name}: dtype {dtype_name(cache.dtype)} must match query's "
+                                f"{dtype_name(query.dtype)}")
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc)):
         _dtype(name, t, INDEX_DTYPES)

@@ -11,8 +11,8 @@ import math
 import torch
 import torch.fx as fx
 
-from pagedfuse.ops import head_dim_reason
-from pagedfuse.ops.validate import FLOAT_DTYPES, check_strides
+from pagedfuse.ops import head_dim_reason, kernel_devices
+from pagedfuse.ops.validate import FLOAT_DTYPES, check_strides, dtype_name
 from pagedfuse.patterns.axes import static_int
 from pagedfuse.patterns.base import Match, Precondition
 from pagedfuse.patterns.kv_trace import Resolved, SourceView
@@ -23,10 +23,6 @@ from pagedfuse.patterns.spelling import arg, extra_kwargs, fake
 
 def _site(match: Match) -> PagedSite:
     return match.facts
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _dropout(match: Match) -> str | None:
@@ -52,11 +48,11 @@ def _float_path(what: str, r: Resolved, qdtype: torch.dtype) -> str | None:
     """A float cache may pass through casts only if they are lossless round trips."""
     cache = fake(r.trace.gather.source).dtype
     if cache != qdtype:
-        return f"{what} cache is {_name(cache)} but the query is {_name(qdtype)}"
+        return f"{what} cache is {dtype_name(cache)} but the query is {dtype_name(qdtype)}"
     if r.trace.scale is not None:
-        return f"{what}: a scale multiply on a {_name(cache)} cache is not a dequant"
+        return f"{what}: a scale multiply on a {dtype_name(cache)} cache is not a dequant"
     lossy = [d for d in _chain_dtypes(r) if d not in (cache, torch.float32, torch.float64)]
-    return f"{what} is cast through {_name(lossy[0])} (lossy)" if lossy else None
+    return f"{what} is cast through {dtype_name(lossy[0])} (lossy)" if lossy else None
 
 
 def _int8_path(what: str, r: Resolved) -> str | None:
@@ -65,7 +61,7 @@ def _int8_path(what: str, r: Resolved) -> str | None:
         return f"{what} cache is int8 but no dequant scale multiplies it"
     sdtype = fake(scale.gather.source).dtype
     if sdtype != torch.float32:
-        return f"{what} scale is {_name(sdtype)}; the int8 kernels take float32 scales"
+        return f"{what} scale is {dtype_name(sdtype)}; the int8 kernels take float32 scales"
     return None
 
 
@@ -73,7 +69,7 @@ def _dtype(match: Match) -> str | None:
     site = _site(match)
     qdtype = site.q_fake.dtype
     if qdtype not in FLOAT_DTYPES:
-        return f"query is {_name(qdtype)}, not float32/bfloat16/float16"
+        return f"query is {dtype_name(qdtype)}, not float32/bfloat16/float16"
     if not site.int8:
         return _float_path("key", site.key, qdtype) or _float_path("value", site.value, qdtype)
     value_int8 = fake(site.value.trace.gather.source).dtype == torch.int8
@@ -84,8 +80,8 @@ def _dtype(match: Match) -> str | None:
 
 def _dtype_passes(match: Match) -> str:
     site = _site(match)
-    k, v = (_name(fake(r.trace.gather.source).dtype) for r in (site.key, site.value))
-    return f"query {_name(site.q_fake.dtype)}, key cache {k}, value cache {v}"
+    k, v = (dtype_name(fake(r.trace.gather.source).dtype) for r in (site.key, site.value))
+    return f"query {dtype_name(site.q_fake.dtype)}, key cache {k}, value cache {v}"
 
 
 def _head_dim(match: Match) -> str | None:
@@ -155,7 +151,7 @@ def _mask(match: Match) -> str | None:
         return None
     m = fake(site.mask)
     if m.dtype != torch.bool and m.dtype not in FLOAT_DTYPES:
-        return f"attn_mask is {_name(m.dtype)}, neither bool nor a float bias"
+        return f"attn_mask is {dtype_name(m.dtype)}, neither bool nor a float bias"
     if not 2 <= m.dim() <= 4:
         return f"attn_mask has {m.dim()} dims; attn_bias takes 2 to 4"
     return None
@@ -228,8 +224,7 @@ def _no_grad_needed(match: Match) -> str | None:
 def _kernel(match: Match) -> str | None:
     site = _site(match)
     device = site.q_fake.device.type
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device)
-    if key and torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedfuse::{site.op}", key):
+    if device in kernel_devices():
         return None
     return f"no pagedfuse {site.op} kernel for {device} (only the slow reference)"
 
