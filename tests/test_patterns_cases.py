@@ -21,7 +21,8 @@ PAGED = (torch.ops.pagedfuse.paged_attention.default,
 
 @dataclass(frozen=True)
 class Spec:
-    gather: str = "getitem"  # getitem | getitem_slices | index_select | torch_gather | take
+    gather: str = "getitem"  # getitem | getitem_slices | index_select | torch_gather |
+    #                          take_along_dim | take
     layout: str = "NHD"  # NHD | HND cache
     view: str = "flatten"  # flatten: flatten+transpose | permute: permute+reshape
     gqa: str = "enable_gqa"  # enable_gqa | repeat_interleave | repeat_kv | mha
@@ -97,8 +98,11 @@ def _gather(spec: Spec, cache: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
     slots = (bt[:, :, None] * bs + torch.arange(bs)).view(bt.shape[0], -1)  # [B, L]
     if spec.gather == "index_select":
         rows = torch.index_select(flat, 0, slots.view(-1))
-    elif spec.gather == "take":
+    elif spec.gather == "take_along_dim":
         rows = torch.take_along_dim(flat, slots.view(-1).view(-1, *(1,) * (flat.dim() - 1)), 0)
+    elif spec.gather == "take":  # element offsets of whole rows; rows arrive flattened
+        row = flat[0].numel()
+        rows = torch.take(flat, slots[..., None] * row + torch.arange(row))
     else:
         index = slots.view(-1).view(-1, *(1,) * (flat.dim() - 1)).expand(-1, *flat.shape[1:])
         rows = torch.gather(flat, 0, index)

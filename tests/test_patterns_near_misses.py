@@ -63,6 +63,17 @@ def test_gather_along_positions_is_not_a_block_table():
     assert_kept(fn, args, "match", "outside dim 0")
 
 
+def test_take_of_partial_rows_is_not_a_gather():
+    def fn(q, cache, slots):
+        row = cache[0].numel()
+        shifted = slots[..., None] * row + torch.arange(row) + 64  # starts mid-row
+        k = torch.take(cache, shifted).view(1, -1, 2, 64).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+
+    args = (torch.randn(1, 4, 1, 64), torch.randn(16, 2, 64), torch.tensor([3, 1, 7, 2]))
+    assert_kept(fn, args, "match", "not ids[..., None] * 128 + arange(128)")
+
+
 def test_contiguous_cache_is_not_paged():
     def fn(q, k_cache, v_cache, length: int):
         k = k_cache[:, :, :length]

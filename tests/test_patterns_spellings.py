@@ -27,7 +27,8 @@ SPELLINGS = {
     "getitem_slices": Spec(gather="getitem_slices"),
     "index_select_flat": Spec(gather="index_select"),
     "torch_gather_flat": Spec(gather="torch_gather"),
-    "take_along_dim_flat": Spec(gather="take"),
+    "take_along_dim_flat": Spec(gather="take_along_dim"),
+    "torch_take_flat": Spec(gather="take"),
     # cache layouts and the views that bring K/V to [B, H, L, D]
     "hnd_cache": Spec(layout="HND"),
     "permute_reshape": Spec(view="permute"),
@@ -55,7 +56,8 @@ INT8_SPELLINGS = {
     "hnd_int8": Spec(dequant="to_mul", layout="HND", gqa="repeat_kv"),
     "float_value_cache": Spec(dequant="to_mul_fp_value", dtype=torch.bfloat16),
     "flat_slots_int8": Spec(dequant="to_mul", gather="index_select", mask="where"),
-    "take_along_dim_int8": Spec(dequant="to_mul", gather="take"),
+    "take_along_dim_int8": Spec(dequant="to_mul", gather="take_along_dim"),
+    "torch_take_int8": Spec(dequant="to_mul", gather="take"),
 }
 
 

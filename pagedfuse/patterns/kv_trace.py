@@ -8,8 +8,9 @@ function in ``_GATHERS``; a new gather spelling is one more entry.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -28,6 +29,7 @@ class Gather:
     index: fx.Node  # [batch, blocks] or [blocks]
     spelling: str
     flattened: bool = False  # the gather used ``index`` flattened to 1-D (batch*blocks rows)
+    merged_rows: bool = False  # each picked row arrives flattened to one dim (torch.take)
 
 
 @dataclass(frozen=True)
@@ -150,11 +152,50 @@ def _row_gather(node: fx.Node, index: object, spelling: str, broadcasts: bool) -
     return _flat_index(node, cur, source, spelling)
 
 
+def _row_offsets(index: object, row: object) -> fx.Node | None:
+    """``ids`` when ``index`` is ``ids[..., None] * row + arange(row)`` (either operand order):
+    the element offsets of whole rows ``ids`` of a cache whose rows hold ``row`` elements."""
+    if op_of(index) != "add":
+        return None
+    for scaled, offsets in ((arg(index, "input"), arg(index, "other")),
+                            (arg(index, "other"), arg(index, "input"))):
+        if op_of(offsets) != "arange" or op_of(scaled) != "mul":
+            continue
+        if len(offsets.args) != 1 or not same_size(offsets.args[0], row):
+            continue  # arange(start, end, ...) or another length: not one row's offsets
+        ids, factor = arg(scaled, "input"), arg(scaled, "other")
+        if isinstance(ids, (int, torch.SymInt)):
+            ids, factor = factor, ids
+        if not isinstance(ids, fx.Node) or not same_size(factor, row):
+            continue
+        unsqueezed, inner = fake(ids), ids.args[0] if ids.args else None
+        if isinstance(inner, fx.Node) and unsqueezed.dim() >= 1 and unsqueezed.shape[-1] == 1 \
+                and tuple(fake(inner).shape) == tuple(unsqueezed.shape[:-1]):
+            return inner
+    return None
+
+
+def _gather_take(node: fx.Node) -> Gather | str:
+    """``torch.take(cache, ids[..., None] * row + arange(row))``: whole rows by element offsets,
+    each row arriving flattened (``row`` = elements per cache row)."""
+    source = arg(node, "input")
+    if op_of(source) in ("reshape", "flatten") and fake(source).dim() == 1:
+        source = source.args[0]  # take reads the cache flattened anyway
+    row = math.prod(fake(source).shape[1:])
+    ids = _row_offsets(arg(node, "index"), row)
+    if ids is None:
+        return (f"{describe(node)}: the index is not ids[..., None] * {row} + arange({row}), "
+                "whole rows of the cache")
+    found = _flat_index(node, ids, source, "torch.take(cache, row offsets)")
+    return replace(found, merged_rows=True) if isinstance(found, Gather) else found
+
+
 _GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
     "getitem": _gather_getitem,
     "index_select": _gather_index_select,
     "gather": _gather_gather,
     "take_along_dim": _gather_take_along_dim,
+    "take": _gather_take,
 }
 
 
@@ -203,6 +244,17 @@ def _walk_dequant(node: fx.Node, later: list[Step], what: str) -> Trace | str:
 
 
 def source_views(gather: Gather, role: str) -> list[SourceView]:
+    """Layout hypotheses for a gather's output (see ``_source_views``); where the gather hands
+    each row over flattened (torch.take), the row's dims merge into one."""
+    views = _source_views(gather, role)
+    if not gather.merged_rows:
+        return views
+    lead = 1 if gather.flattened else fake(gather.index).dim()
+    return [replace(v, layout=replace(v.layout, dims=v.layout.dims[:lead] + (
+        tuple(a for d in v.layout.dims[lead:] for a in d),))) for v in views]
+
+
+def _source_views(gather: Gather, role: str) -> list[SourceView]:
     """Layout hypotheses for a gather's output: a data cache ("data") is [N, bs, H, D] (NHD),
     [N, H, bs, D] (HND) or a flat slot cache [S, H, D]; its scales ("scale") the same less D."""
     idx, shape = fake(gather.index), tuple(fake(gather.source).shape)
