@@ -152,6 +152,12 @@ def _row_gather(node: fx.Node, index: object, spelling: str, broadcasts: bool) -
     return _flat_index(node, cur, source, spelling)
 
 
+def _adds_last_dim(before: torch.Size, after: torch.Size) -> bool:
+    """``after`` is ``before`` with a trailing size-1 dim (compared without adding guards)."""
+    return len(after) == len(before) + 1 and same_size(after[-1], 1) and all(
+        same_size(a, b) for a, b in zip(before, after, strict=False))
+
+
 def _row_offsets(index: object, row: object) -> fx.Node | None:
     """``ids`` when ``index`` is ``ids[..., None] * row + arange(row)`` (either operand order):
     the element offsets of whole rows ``ids`` of a cache whose rows hold ``row`` elements."""
@@ -168,9 +174,8 @@ def _row_offsets(index: object, row: object) -> fx.Node | None:
             ids, factor = factor, ids
         if not isinstance(ids, fx.Node) or not same_size(factor, row):
             continue
-        unsqueezed, inner = fake(ids), ids.args[0] if ids.args else None
-        if isinstance(inner, fx.Node) and unsqueezed.dim() >= 1 and unsqueezed.shape[-1] == 1 \
-                and tuple(fake(inner).shape) == tuple(unsqueezed.shape[:-1]):
+        inner = ids.args[0] if op_of(ids) in ("unsqueeze", "getitem", "reshape") else None
+        if isinstance(inner, fx.Node) and _adds_last_dim(fake(inner).shape, fake(ids).shape):
             return inner
     return None
 
