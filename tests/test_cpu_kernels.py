@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numerics import rel_err
 
 import pagedfuse
 from pagedfuse.ops import cpu
@@ -173,11 +174,6 @@ def reference(c: Case, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return paged_attention_reference(
         c.query, c.key_cache, c.value_cache, c.block_table, c.seq_lens, c.query_start_loc,
         c.scale, c.causal, c.attn_bias, c.key_scale, c.value_scale, compute_dtype=dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = (out.double() - ref.double()).norm()
-    return float(diff / ref.double().norm().clamp_min(1e-30))
 
 
 def check(c: Case, tol: float | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numerics
 import pytest
 import torch
 
@@ -98,9 +99,7 @@ def reference(case: dict, unquantized: bool = False) -> torch.Tensor:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "an output element was not written"
-    out = out.cpu().double()
-    ref = ref.double()
-    return float((out - ref).norm() / ref.norm())
+    return numerics.rel_err(out, ref)
 
 
 def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:

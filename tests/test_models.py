@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import max_rel_err
 
 from pagedfuse.models import (
     PRESETS,
@@ -18,10 +19,6 @@ from pagedfuse.models import (
 )
 
 BATCH, PROMPT_LEN, STEPS, BLOCK_SIZE = 2, 6, 4, 4  # 10 tokens over 3 blocks per sequence
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected).abs().max() / expected.abs().max()).item()
 
 
 def _prompts(vocab: int, batch: int = BATCH, length: int = PROMPT_LEN) -> torch.Tensor:
@@ -44,7 +41,7 @@ def test_paged_logits_match_dense_reference(name, kv_cache, tol, layout):
     config = preset(name, kv_cache=kv_cache, layout=layout, block_size=BLOCK_SIZE)
     gen, ref = _run_against_reference(config)
     assert gen.logits.dtype == config.activation_dtype
-    assert _rel_err(gen.logits, ref) <= tol
+    assert max_rel_err(gen.logits, ref) <= tol
     assert torch.equal(gen.tokens[:, PROMPT_LEN:], gen.logits[:, PROMPT_LEN - 1:].argmax(-1))
 
 
@@ -54,7 +51,7 @@ def test_int8_cache_close_to_unquantized_model(name, layout):
     config = preset(name, kv_cache="int8", layout=layout, block_size=BLOCK_SIZE)
     unquantized = PagedDecoder(preset(name, block_size=BLOCK_SIZE), seed=3)
     gen, ref = _run_against_reference(config, reference_model=unquantized)
-    err = _rel_err(gen.logits, ref)
+    err = max_rel_err(gen.logits, ref)
     assert 0 < err <= 5e-2  # > 0: the cache really is quantized
     top1 = (gen.logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert top1 >= 0.9
@@ -66,10 +63,10 @@ def test_alibi_matches_dense_reference(name, kv_cache, tol):
     config = preset(name, alibi=True, kv_cache=kv_cache, block_size=BLOCK_SIZE)
     unquantized = PagedDecoder(preset(name, alibi=True, block_size=BLOCK_SIZE), seed=3)
     gen, ref = _run_against_reference(config, reference_model=unquantized)
-    assert _rel_err(gen.logits, ref) <= tol
+    assert max_rel_err(gen.logits, ref) <= tol
     rope_ref = dense_reference_logits(PagedDecoder(preset(name, block_size=BLOCK_SIZE), seed=3),
                                       gen.tokens[:, :-1])
-    assert _rel_err(rope_ref, ref) > 1e-2  # ALiBi really replaces RoPE
+    assert max_rel_err(rope_ref, ref) > 1e-2  # ALiBi really replaces RoPE
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from numerics import rel_err
 from torch.library import opcheck
 
 import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
@@ -82,10 +83,6 @@ def make_case(B=3, Hq=8, Hkv=2, D=64, block_size=4, num_blocks=24, q_lens=(1, 3,
         query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                      dtype=index_dtype),
     )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("causal", [False, True])

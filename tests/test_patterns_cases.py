@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import max_rel_err as rel_err
 
 import pagedfuse
 from pagedfuse.ops import paged_attention_reference
@@ -201,11 +202,6 @@ class Capture:
 
     def code(self) -> str:
         return "\n".join(gm.code for gm in self.graphs)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).abs().max() / want.abs().max())
 
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
