@@ -306,7 +306,7 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 def sweep(bw: float) -> None:
     """GPU-time sweeps: INT8 tile configs, then split counts (bf16)."""
     reps = dict(warmup=5, rep=20)
-    batch, length = 64, 8192  # the tile sweep's point: where the INT8 gap was largest
+    batch, length = 64, 8192  # the point of the issue's INT8 measurements
     for gname, geo in GEOMETRIES.items():
         case = Case(geo, batch, length)
         for kind in ("int8_kv", "int8_k"):
