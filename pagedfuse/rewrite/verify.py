@@ -58,11 +58,12 @@ def verifying(compiled: Callable, original: fx.GraphModule, rewritten: fx.GraphM
     """``compiled``, preceded on its first call by the replay check of every swap."""
     before = copy_module(original, [s.anchor_name for s in swaps])
     after = copy_module(rewritten, [s.replacement.name for s in swaps])
-    pending = [True]
+    checked = False
 
     def run(*args):
-        if pending:
-            pending.clear()
+        nonlocal checked
+        if not checked:
+            checked = True
             with torch.no_grad():
                 want, got = before(*_clone(args)), after(*_clone(args))
             for swap, w, g in zip(swaps, want, got, strict=True):
