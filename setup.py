@@ -1,24 +1,78 @@
-"""Builds pagedfuse._C: plain C++ over raw pointers, no libtorch link.
+"""Builds pagedfuse._C (C++ CPU kernels, pybind11) and, where nvcc and a CUDA build of torch
+are present, pagedfuse._cuda_kernels (CUDA C++ kernels with a C ABI, loaded with ctypes).
 
-One build serves every torch version.
+Neither links libtorch, so one build serves every torch version. PAGEDFUSE_CUDA=1 forces
+the CUDA library (and fails without nvcc), PAGEDFUSE_CUDA=0 skips it; PAGEDFUSE_CUDA_ARCH
+lists the compute capabilities to build for (default "80;90": sm_80 and sm_90 machine
+code, plus sm_90 PTX for newer GPUs).
 """
 
+import os
+import shutil
+import subprocess
+
 from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-ext = Pybind11Extension(
-    "pagedfuse._C",
-    sources=[
-        "csrc/bindings.cpp",
-        "csrc/paged_attention.cpp",
-        "csrc/attention_portable.cpp",
-        "csrc/attention_avx512.cpp",
-        "csrc/quantize.cpp",
-    ],
-    include_dirs=["csrc"],
-    cxx_std=17,
-    extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast"],
-    extra_link_args=["-fopenmp"],
-)
 
-setup(ext_modules=[ext])
+class NvccLibrary(Extension):
+    """A shared library compiled and linked by nvcc alone (static cudart)."""
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = os.path.join(home, "bin", "nvcc") if home else None
+    return candidate if candidate and os.path.exists(candidate) else shutil.which("nvcc")
+
+
+def _cuda_wanted() -> bool:
+    flag = os.environ.get("PAGEDFUSE_CUDA", "auto")
+    if flag in ("0", "1"):
+        return flag == "1"
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.version.cuda is not None and _nvcc() is not None
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, NvccLibrary):
+            super().build_extension(ext)
+            return
+        nvcc = _nvcc()
+        if nvcc is None:
+            raise RuntimeError("PAGEDFUSE_CUDA=1 but no nvcc (set CUDA_HOME or PATH)")
+        archs = os.environ.get("PAGEDFUSE_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
+               *gencode, *ext.sources, "-o", target]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+
+
+extensions = [
+    Pybind11Extension(
+        "pagedfuse._C",
+        sources=[
+            "csrc/bindings.cpp",
+            "csrc/paged_attention.cpp",
+            "csrc/attention_portable.cpp",
+            "csrc/attention_avx512.cpp",
+            "csrc/quantize.cpp",
+        ],
+        include_dirs=["csrc"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast"],
+        extra_link_args=["-fopenmp"],
+    ),
+]
+if _cuda_wanted():
+    extensions.append(NvccLibrary("pagedfuse._cuda_kernels", sources=["csrc/cuda/int8_decode.cu"]))
+
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -1,15 +1,16 @@
-"""Paged bf16/INT8 decode on the GPU: pagedfuse's Triton kernels against the peers.
+"""Paged bf16/INT8 decode on the GPU: pagedfuse's kernels against the peers.
 
 Geometries (Hq, Hkv, D) x batch x context, page 16, random block permutation, bf16. Each
 row times, side by side in one run: eager gather + SDPA, the same under torch.compile
 (inductor), SDPA on already-contiguous K/V (best of cuDNN and flash: the proxy for the
 physical limit), naive INT8 dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
-K+V and INT8 K + bf16 V. Times are medians (triton.testing.do_bench, L2 flushed between
-calls); B=1 is also timed under CUDA graph replay. "floor" = bytes that must be read / the
-copy bandwidth measured in the same run.
+K+V (the CUDA C++ decode where built, and the Triton kernel) and INT8 K + bf16 V. Times
+are medians (triton.testing.do_bench, L2 flushed between calls); B=1 is also timed under
+CUDA graph replay. "floor" = bytes that must be read / the copy bandwidth measured in the
+same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
-    python benchmarks/bench_decode.py --sweep     # tile / split sweeps for tuning
+    python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles or splits
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Case:
                 self.q, self.k, self.v, *tail)),
             "pagedfuse INT8 K+V": ("int8_kv", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v8, self.ks, self.vs, *tail)),
+            "pagedfuse INT8 K+V Triton": ("int8_kv", lambda: _pf_call(self, "int8_kv",
+                                                                      native=False)),
             "pagedfuse INT8 K": ("int8_k", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v, self.ks, None, *tail)),
         }
@@ -207,8 +210,9 @@ def compile_peers() -> dict[str, Callable]:
 
 METHOD_ORDER = ["eager gather+SDPA", "inductor gather+SDPA", "contiguous SDPA",
                 "naive INT8 inductor", "pagedfuse bf16", "pagedfuse INT8 K+V",
-                "pagedfuse INT8 K"]
-SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf i8 K+V", "pf i8 K"]
+                "pagedfuse INT8 K+V Triton", "pagedfuse INT8 K"]
+SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf i8 K+V", "pf i8 K+V Triton",
+         "pf i8 K"]
 
 
 def _fmt(row: dict, name: str) -> str:
@@ -240,13 +244,15 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
         f"the same run: {bw / 1e12:.2f} TB/s. Cells: median µs of GPU time (one call "
         "captured in a CUDA graph, replayed with the L2 flushed before each replay) and the "
         "fraction of the K/V byte floor of that method's cache format (bf16; INT8 K+V with "
-        "scales; INT8 K + bf16 V); for contiguous SDPA the faster backend is named. Page 16, "
+        "scales; INT8 K + bf16 V); for contiguous SDPA the faster backend is named. "
+        f"pf i8 K+V is the op's default path ({_int8_kv_path()}); pf i8 K+V Triton forces "
+        "the Triton kernel. Page 16, "
         "random block permutation, bf16 queries, q_len 1. FlexAttention paged was not run "
         "(not implemented in this benchmark).",
         "",
         "| geometry | B | L | KV GB | " + " | ".join(SHORT) + " | pf/contig | i8KV/contig "
-        "| i8K/contig | pf err | i8KV err |",
-        "|" + "---|" * (4 + len(SHORT) + 5),
+        "| i8KV Triton/contig | i8K/contig | pf err | i8KV err |",
+        "|" + "---|" * (4 + len(SHORT) + 6),
     ]
     for r in rows:
         name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
@@ -254,7 +260,8 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
             f"| {name} | {r['B']} | {r['L']} | {r['kv_gb']:.2f} | "
             + " | ".join(_fmt(r, m) for m in METHOD_ORDER)
             + f" | {_ratio(r, 'pagedfuse bf16')} | {_ratio(r, 'pagedfuse INT8 K+V')} | "
-            f"{_ratio(r, 'pagedfuse INT8 K')} | {_err(r, 'pagedfuse bf16')} | "
+            f"{_ratio(r, 'pagedfuse INT8 K+V Triton')} | {_ratio(r, 'pagedfuse INT8 K')} | "
+            f"{_err(r, 'pagedfuse bf16')} | "
             f"{_err(r, 'pagedfuse INT8 K+V')} |")
     lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
               "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
@@ -303,11 +310,45 @@ INT8_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def sweep(bw: float) -> None:
-    """GPU-time sweeps: INT8 tile configs, then split counts (bf16)."""
+def sweep_native(bw: float) -> None:
+    """INT8 K+V: the CUDA C++ decode for each built pipeline depth and several split counts,
+    against the Triton kernel (at its heuristic's splits), at B=8 and B=64."""
+    from pagedfuse.ops.cuda_native import INT8_DECODE_STAGES
+
+    reps = dict(warmup=5, rep=20)
+    for gname, geo in GEOMETRIES.items():
+        for batch, length in ((8, 8192), (8, 32768), (64, 8192), (64, 32768)):
+            if not _fits(geo, batch, length):
+                continue
+            case = Case(geo, batch, length)
+            floor_us = case.bytes("int8_kv") / bw * 1e6
+            triton_us = bench(lambda cs=case: _pf_call(cs, "int8_kv", native=False), reps)
+            default = pf_cuda.native_int8_config(geo[2], torch.device("cuda"))
+            auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
+                                         pf_cuda._sm_count(torch.device("cuda")), default)
+            line = []
+            for stages in INT8_DECODE_STAGES[geo[2]]:
+                config = pf_cuda.native_int8_config(geo[2], torch.device("cuda"), stages)
+                for n in ((2, 4, 8, 16) if batch == 8 else (1, 2, 4)):
+                    us = bench(lambda n=n, c=config, cs=case: _pf_call(
+                        cs, "int8_kv", config=c, splits=n, native=True), reps)
+                    line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
+            print(f"int8_kv {gname} B={batch} L={length}: Triton {triton_us:.1f} "
+                  f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
+                  + ", ".join(line) + f"; default {default.num_stages}/{auto}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+
+def sweep(bw: float, what: str) -> None:
+    """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton INT8 tile configs
+    ("tiles") or the bf16 split counts ("splits")."""
+    if what == "native":
+        sweep_native(bw)
+        return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's INT8 measurements
-    for gname, geo in GEOMETRIES.items():
+    for gname, geo in (GEOMETRIES.items() if what == "tiles" else ()):
         case = Case(geo, batch, length)
         for kind in ("int8_kv", "int8_k"):
             floor_us = case.bytes(kind) / bw * 1e6
@@ -326,7 +367,7 @@ def sweep(bw: float) -> None:
                               f"({100 * floor_us / u:.0f}%)" for u, c in results[:4]),
                   flush=True)
         del case
-    for gname, geo in GEOMETRIES.items():
+    for gname, geo in (GEOMETRIES.items() if what == "splits" else ()):
         for batch, length in ((1, 1536), (1, 8192), (1, 32768), (8, 1536), (8, 8192),
                               (8, 32768), (64, 1536), (64, 8192)):
             case = Case(geo, batch, length)
@@ -354,9 +395,11 @@ def split_check(bw: float) -> str:
     for gname, geo in GEOMETRIES.items():
         case = Case(geo, 64, 8192)
         for kind in ("bf16", "int8_kv", "int8_k"):
+            native = kind == "int8_kv" and _int8_kv_path() == "CUDA C++"
+            config = (pf_cuda.native_int8_config(geo[2], torch.device("cuda")) if native
+                      else pf_cuda.launch_config(kind != "bf16"))
             auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
-                                         pf_cuda._sm_count(torch.device("cuda")),
-                                         pf_cuda.launch_config(kind != "bf16"))
+                                         pf_cuda._sm_count(torch.device("cuda")), config)
             times = {s: bench(lambda s=s, k=kind, cs=case: _pf_call(cs, k, splits=s), reps)
                      for s in sorted({*SPLIT_CHECK, auto})}
             floor_us = case.bytes(kind) / bw * 1e6
@@ -407,27 +450,37 @@ def host_overhead() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pf_call(case: Case, kind: str, config=None, splits=None) -> torch.Tensor:
+def _pf_call(case: Case, kind: str, config=None, splits=None, native=None) -> torch.Tensor:
     out = torch.empty_like(case.q)
     k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
     v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
     pf_cuda.paged_attention_into(out, case.q, k, v, ks, vs, *case.block_args, case.scale,
-                                 False, None, case.length, 1, config=config, splits=splits)
+                                 False, None, case.length, 1, config=config, splits=splits,
+                                 native=native)
     return out
+
+
+def _int8_kv_path() -> str:
+    """Which kernel the INT8 K+V decode op runs here, and why not the CUDA C++ one."""
+    q = torch.empty(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.empty(1, 16, 2, 128, device="cuda", dtype=torch.int8)
+    reason = pf_cuda.native_int8_reason(q, cache, cache, None, 1)
+    return "CUDA C++" if reason is None else f"Triton: {reason}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown section here")
     parser.add_argument("--plot", help="write the bandwidth plot here")
-    parser.add_argument("--sweep", action="store_true", help="tuning sweeps instead")
+    parser.add_argument("--sweep", choices=("native", "tiles", "splits"),
+                        help="a tuning sweep instead of the table")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     if args.sweep:
-        sweep(bw)
+        sweep(bw, args.sweep)
         return
     from tqdm import tqdm
 

@@ -2,7 +2,8 @@
 # One device call: build, GPU tests, compute-sanitizer memcheck of each kernel, the demo and
 # the transformers benchmark on CUDA, then the decode benchmark.
 #   benchmarks/gpu_check.sh          full: all of the above, plus the decode plot
-#   benchmarks/gpu_check.sh tune     kernel tests, tuning sweeps, quick decode benchmark
+#   benchmarks/gpu_check.sh tune     build, kernel tests, memcheck, one tuning sweep
+#                                    (SWEEP=native|tiles|splits, default native)
 # Wheels under .whl/ (e.g. the transformers version the tests pin) are installed first into
 # /tmp/site, ahead of the image's packages. The tests, memcheck and the demo check
 # correctness only, so they run side by side; the two benchmarks run alone. Every part is
@@ -35,14 +36,15 @@ fi
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 $PY -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tail -1
 
-if [ "$MODE" = full ]; then
-  echo "== build ($SECONDS s)"
-  if ! timeout "$(limit 150)" $PY -m pip install --no-build-isolation --no-deps -e . \
-      >"$OUT/build.log" 2>&1; then
-    echo "BUILD FAILED (see build.log)"; tail -20 "$OUT/build.log"; status=1
-  fi
+echo "== build ($SECONDS s)"
+if ! timeout "$(limit 150)" $PY -m pip install --no-build-isolation --no-deps -e . \
+    >"$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED (see build.log)"; tail -20 "$OUT/build.log"; status=1
 fi
+grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -12
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import torch; from pagedfuse.ops import cuda_native as n; \
+print('CUDA C++ INT8 decode available:', n.int8_decode_available(torch.device('cuda')))"
 
 run_tests() {  # $1: test paths
   timeout "$(limit 240)" $PY -m pytest -m cuda -q -p no:cacheprovider \
@@ -51,8 +53,9 @@ run_tests() {  # $1: test paths
 
 run_memcheck() {
   cat >/tmp/memcheck_cases.py <<'EOF'
-"""One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V, q_len > 1
-with causal and a bias, quantize, out-of-range block ids) for compute-sanitizer."""
+"""One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton and
+in CUDA C++, q_len > 1 with causal and a bias, quantize, out-of-range block ids) for
+compute-sanitizer."""
 import sys
 import torch
 sys.path.insert(0, "tests")
@@ -63,7 +66,13 @@ cases = [
     (dict(batch=2, hq=8, hkv=2, d=64), {}),
     (dict(batch=2, hq=24, hkv=4, d=256, seq_lens=[700, 33]), dict(splits=4)),
     (dict(batch=2, hq=8, hkv=2, d=128, kv_int8="k", hnd=True), dict(splits=2)),
-    (dict(batch=3, hq=32, hkv=4, d=64, page=1, kv_int8="kv"), {}),
+    (dict(batch=3, hq=32, hkv=4, d=64, page=1, kv_int8="kv"), dict(native=False)),
+    (dict(batch=3, hq=32, hkv=4, d=64, page=1, kv_int8="kv", seq_lens=[1, 33, 70]),
+     dict(native=True, max_query_len=1)),
+    (dict(batch=2, hq=24, hkv=4, d=256, kv_int8="kv", hnd=True, seq_lens=[300, 129]),
+     dict(native=True, max_query_len=1, splits=3)),
+    (dict(batch=2, hq=10, hkv=2, d=128, kv_int8="kv", page=256, index=torch.int64),
+     dict(native=True, max_query_len=1)),
     (dict(batch=2, hq=8, hkv=2, d=128, q_lens=[5, 3], causal=True, seq_lens=[40, 20],
           bias=torch.rand(2, 1, 5, 40, device="cuda") > 0.3), dict(splits=2)),
 ]
@@ -80,7 +89,7 @@ EOF
 }
 
 run_demo() {
-  timeout "$(limit 150)" $PY -m pagedfuse.cli demo --device cuda --steps 8 \
+  timeout "$(limit 240)" $PY -m pagedfuse.cli demo --device cuda --steps 8 \
     >"$OUT/demo.log" 2>&1
 }
 
@@ -108,11 +117,12 @@ else
 fi
 
 if [ "$MODE" = tune ]; then
-  echo "== sweeps"
-  timeout 400 $PY benchmarks/bench_decode.py --sweep 2>&1 | tee "$OUT/sweep.log" || status=1
-  echo "== quick benchmark"
-  timeout 300 $PY benchmarks/bench_decode.py --quick --out "$OUT/results_gpu.md" \
-    --plot "$OUT/decode_bandwidth.png" 2>&1 | tee "$OUT/bench.log" || status=1
+  echo "== memcheck ($SECONDS s)"
+  run_memcheck || { echo "memcheck FAILED"; status=1; }
+  tail -6 "$OUT/memcheck.log"
+  echo "== sweep ${SWEEP:-native} ($SECONDS s)"
+  timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
+    --sweep "${SWEEP:-native}" 2>&1 | tee "$OUT/sweep.log" || status=1
 else
   echo "== decode benchmark ($SECONDS s)"
   timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \

@@ -1,4 +1,5 @@
-"""GPU tests of the Triton kernels (pagedfuse/ops/cuda.py) against the float64 reference.
+"""GPU tests of the CUDA kernels (pagedfuse/ops/cuda.py: Triton, and the CUDA C++ INT8
+decode of csrc/cuda) against the float64 reference.
 
 Each case is one kernel specialisation (every new constexpr combination compiles), so the
 grid is a hand-picked list that covers each axis (head_dim, GQA ratio, page size, layout,
@@ -71,8 +72,10 @@ def make_case(batch=2, hq=8, hkv=2, d=64, page=16, dtype=torch.bfloat16, hnd=Fal
     return moved
 
 
-def run_kernel(case: dict, max_seq_len=None, max_query_len=None, splits=None) -> torch.Tensor:
-    """paged_attention_into on a NaN-poisoned output."""
+def run_kernel(case: dict, max_seq_len=None, max_query_len=None, splits=None,
+               native=None, config=None) -> torch.Tensor:
+    """paged_attention_into on a NaN-poisoned output (``native``, ``config``: see
+    paged_attention_into)."""
     from pagedfuse.ops import cuda
 
     out = torch.full_like(case["query"], float("nan"))
@@ -80,7 +83,7 @@ def run_kernel(case: dict, max_seq_len=None, max_query_len=None, splits=None) ->
         out, case["query"], case["key_cache"], case["value_cache"], case["key_scale"],
         case["value_scale"], case["block_table"], case["seq_lens"], case["query_start_loc"],
         case["scale"], case["causal"], case["attn_bias"], max_seq_len, max_query_len,
-        splits=splits)
+        config=config, splits=splits, native=native)
     return out
 
 
@@ -151,6 +154,21 @@ def test_split_heuristic_matches_the_h200_sweep(geo, batch, length, int8, chosen
     assert cuda.num_kv_splits(batch, hkv, d, length, 132, cuda.launch_config(int8)) == chosen
 
 
+@pytest.mark.parametrize(("geo", "batch", "resident", "chosen"), [
+    ((4, 256), 8, 2, 8),  # qwen35, loads to registers: 8 splits measured best (B=8)
+    ((8, 128), 8, 2, 4),  # llama3_8b, 3-tile pipeline: 4 best (8: 8-13% slower)
+    ((4, 64), 8, 5, 16),  # tinyllama, 2-tile pipeline: 16 best
+    ((8, 128), 64, 2, 1),  # B=64: one wave at 1 split
+    ((4, 256), 1, 2, 64),  # B=1, L=8192: capped by the 64 key tiles
+])
+def test_native_split_rule_fills_one_wave(geo, batch, resident, chosen):
+    from pagedfuse.ops import cuda
+
+    hkv, d = geo
+    config = cuda.LaunchConfig(128, 4, 0, resident=resident)
+    assert cuda.num_kv_splits(batch, hkv, d, 8192, 132, config) == chosen
+
+
 PREFILL_CASES = {
     "causal-varlen": dict(q_lens=[5, 1, 17], causal=True),
     "noncausal-varlen-gqa6": dict(q_lens=[3, 9], hq=12, hkv=2),
@@ -196,14 +214,80 @@ INT8_CASES = {
 }
 
 
+@pytest.mark.parametrize("native", [None, False], ids=["default", "triton"])
 @pytest.mark.parametrize("name", list(INT8_CASES))
-def test_int8_matches_reference(name):
+def test_int8_matches_reference(name, native):
     case = make_case(**INT8_CASES[name])
-    out = run_kernel(case)
+    out = run_kernel(case, native=native)
     # Against the exact-integer reference: K-only differs by the bf16 rounding of P; K+V also
     # by quantizing P per row (the int8 P·V).
     assert rel_err(out, reference(case)) < (2e-2 if case["value_scale"] is None else 3e-2)
     assert cosine(out, reference(case, unquantized=True)) > 0.995
+
+
+# The CUDA C++ INT8 K+V decode: every head_dim, GQA 1/4/5/6/8, pages 1/16/256, NHD and
+# HND, int32/int64 indices (mixed too), bf16/fp16, B 1 to 64, lengths off the page and the
+# 32-token tile, and split counts that leave some splits and warps without keys.
+NATIVE_CASES = {
+    "d128-gqa4-b8": dict(batch=8, hq=32, hkv=8, d=128),
+    "d64-gqa8-page1": dict(batch=4, hq=32, hkv=4, d=64, page=1),
+    "d256-gqa6-hnd-long": dict(batch=2, hq=24, hkv=4, d=256, hnd=True, seq_lens=[3000, 1234]),
+    "d128-gqa5-page256-int64-fp16": dict(batch=3, hq=10, hkv=2, d=128, page=256,
+                                         index=torch.int64, dtype=torch.float16),
+    "d64-gqa1-b64": dict(batch=64, hq=4, hkv=4, d=64),
+    "d256-gqa8-b1-short": dict(batch=1, hq=16, hkv=2, d=256, seq_lens=[7]),
+    "d128-gqa4-lengths": dict(batch=5, hq=8, hkv=2, d=128, seq_lens=[1, 31, 32, 33, 129]),
+}
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("name", list(NATIVE_CASES))
+def test_native_int8_decode_matches_reference(name, splits):
+    case = make_case(kv_int8="kv", **NATIVE_CASES[name])
+    out = run_kernel(case, max_query_len=1, splits=splits, native=True)
+    assert rel_err(out, reference(case)) < 3e-2
+    assert cosine(out, reference(case, unquantized=True)) > 0.995
+
+
+@pytest.mark.parametrize(("d", "stages"), [
+    (d, s) for d, depths in {64: (0, 2, 4, 6), 128: (0, 2, 3, 4), 256: (0, 2, 3)}.items()
+    for s in depths])
+def test_native_int8_decode_every_pipeline_depth(d, stages):
+    from pagedfuse.ops import cuda, cuda_native
+
+    assert stages in cuda_native.INT8_DECODE_STAGES[d]
+    case = make_case(batch=3, hq=12, hkv=2, d=d, kv_int8="kv", seq_lens=[700, 45, 300])
+    config = cuda.native_int8_config(d, torch.device("cuda"), stages)
+    out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
+    assert rel_err(out, reference(case)) < 3e-2
+
+
+def test_native_int8_decode_mixed_index_dtypes():
+    case = make_case(batch=3, hq=8, hkv=2, d=64, kv_int8="kv")
+    case["seq_lens"] = case["seq_lens"].long()  # table and starts stay int32
+    assert rel_err(run_kernel(case, max_query_len=1, native=True), reference(case)) < 3e-2
+
+
+def test_native_int8_decode_is_built_and_chosen():
+    """On a GPU machine setup.py builds the CUDA C++ library, and the INT8 K+V decode op
+    takes it; calls it cannot take say why and run the Triton kernel."""
+    from pagedfuse.ops import cuda, cuda_native
+
+    assert cuda_native.int8_decode_available(torch.device("cuda")), \
+        "pagedfuse._cuda_kernels is not built (pip install -e . with nvcc on PATH)"
+    case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8="kv")
+    q, k, v = case["query"], case["key_cache"], case["value_cache"]
+    assert cuda.native_int8_reason(q, k, v, None, 1) is None
+    assert cuda.native_int8_reason(q, k, v, None, 4) == "more than one query token per sequence"
+    assert cuda.native_int8_reason(q, k, v.to(torch.bfloat16), None, 1) == \
+        "value cache is not int8"
+    wide = torch.empty(1, 16, 1, 128, device="cuda", dtype=torch.int8)
+    q16 = torch.empty(1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    assert "query heads per KV head" in cuda.native_int8_reason(q16, wide, wide, None, 1)
+    odd = torch.empty(1, 16, 2, 136, device="cuda", dtype=torch.int8)[..., :128]
+    assert cuda.native_int8_reason(q, odd, odd, None, 1) == "cache rows not 16-byte aligned"
+    with pytest.raises(ValueError, match="more than one query token"):
+        run_kernel(make_case(batch=2, q_lens=[2, 1], kv_int8="kv"), native=True)
 
 
 def test_ops_route_to_the_cuda_kernels():
@@ -230,13 +314,14 @@ def test_quantize_int8_is_bit_exact():
         assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
 
 
-def test_out_of_range_block_ids_are_clamped():
+@pytest.mark.parametrize("kv_int8", [None, "kv"])
+def test_out_of_range_block_ids_are_clamped(kv_int8):
     """Unchecked bad ids must not read outside the cache (compute-sanitizer checks the
     reads in gpu_check.sh; here: no fault, every element written)."""
-    case = make_case(batch=2, hq=8, hkv=2, d=64)
+    case = make_case(batch=2, hq=8, hkv=2, d=64, kv_int8=kv_int8)
     case["block_table"][0, 0] = 10**6
     case["block_table"][1, 0] = -5
-    out = run_kernel(case)
+    out = run_kernel(case, max_query_len=1)  # INT8 K+V: the CUDA C++ decode where built
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
 

@@ -1,4 +1,5 @@
-"""CUDA kernels of the pagedfuse ops: Triton launches, registered at import.
+"""CUDA kernels of the pagedfuse ops: Triton launches, and the CUDA C++ INT8 K+V decode
+(cuda_native.py) where it applies; registered at import.
 
 Everything the launch needs comes from shapes, strides and the optional int hints, never
 from tensor values, so the path has no host synchronisation and captures in CUDA graphs.
@@ -12,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedfuse.ops import cuda_native
 from pagedfuse.ops.library import register_device_kernels
 from pagedfuse.ops.triton_paged import LOG2E, combine_splits_kernel, paged_attention_kernel
 from pagedfuse.ops.triton_quantize import next_power_of_2, quantize_int8
@@ -25,12 +27,15 @@ MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this
 
 class LaunchConfig(NamedTuple):
     """Tile and pipelining choices for one kernel specialisation; ``fill_splits``: the
-    splits a long context takes when one split under-fills the GPU (1: no such rule)."""
+    splits a long context takes when one split under-fills the GPU (1: no such rule);
+    ``resident``: programs that fit on one SM, where known (then the split count fills one
+    wave, see num_kv_splits)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     fill_splits: int = 1
+    resident: int = 0
 
 
 def launch_config(int8_k: bool) -> LaunchConfig:
@@ -38,6 +43,34 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     L=8192 for all three head dims (benchmarks/NOTES-gpu.md). The fill rule is bf16 only:
     the INT8 kernels measured best at the plain rule's 1-2 splits there."""
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
+
+
+NATIVE_INT8_STAGES = {64: 2, 128: 3, 256: 0}
+
+
+def native_int8_config(head_dim: int, device: torch.device,
+                       stages: int | None = None) -> LaunchConfig:
+    """The CUDA C++ INT8 K+V decode: a CTA of 4 warps steps 128 keys at a time (block_n, the
+    split heuristic's tile); num_stages is its pipeline depth, by default the fastest on the
+    H200 (benchmarks/NOTES-gpu.md): 0 (loads straight to registers) for head_dim 256, a
+    3-tile cp.async pipeline for 128, 2 tiles for 64; resident is the CUDA occupancy."""
+    stages = NATIVE_INT8_STAGES[head_dim] if stages is None else stages
+    return LaunchConfig(128, 4, stages, resident=cuda_native.int8_decode_resident(
+        device, head_dim, stages))
+
+
+def native_int8_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       attn_bias: torch.Tensor | None, max_query_len: int | None) -> str | None:
+    """Why a call cannot take the CUDA C++ INT8 decode (None: it can): it needs INT8 K and
+    V, one query token per sequence and no bias, plus cuda_native's own conditions."""
+    if value_cache.dtype != torch.int8:
+        return "value cache is not int8"
+    if attn_bias is not None:
+        return "attn_bias"
+    if (max_query_len if max_query_len is not None else query.shape[0]) > 1:
+        return "more than one query token per sequence"
+    group = query.shape[1] // key_cache.shape[2]
+    return cuda_native.int8_decode_unsupported(query, key_cache, value_cache, group)
 
 
 @functools.cache
@@ -49,16 +82,23 @@ def _sm_count(device: torch.device) -> int:
 
 def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
                   sm_count: int, config: LaunchConfig) -> int:
-    """Splits per sequence: a power of two so the grid holds about PROGRAMS_PER_SM programs
-    per SM, scaled by sqrt(128 / head_dim) (bigger tiles keep more bytes in flight per
-    program), and never more splits than key tiles. Where 4/3 or more splits are wanted but
+    """Splits per sequence, never more than key tiles.
+
+    With ``config.resident`` (the CUDA C++ decode): the largest power of two whose grid still
+    fits in one wave (resident x SMs programs), since a partial second wave idles most of
+    the GPU (the H200 sweep in NOTES-gpu.md). Otherwise (Triton): a power of two so the grid
+    holds about PROGRAMS_PER_SM programs per SM, scaled by sqrt(128 / head_dim) (bigger
+    tiles keep more bytes in flight per program). Where 4/3 or more splits are wanted but
     fewer than ``config.fill_splits`` (bf16 at B=64 with 4 KV heads on the H200), a long
     context takes ``fill_splits``: there 1 split under-fills the GPU and 2 measured slow, 4
     was 3-9% faster. Fitted to the H200 sweeps in NOTES-gpu.md."""
+    tiles = -(-context // config.block_n)
+    if config.resident:
+        wave = config.resident * sm_count // max(batch * num_kv_heads, 1)
+        return max(1, min(1 << (max(wave, 1).bit_length() - 1), tiles))
     target = PROGRAMS_PER_SM * sm_count * math.sqrt(128 / head_dim)
     wanted = max(1.0, target / max(batch * num_kv_heads, 1))
     splits = 1 << int(math.log2(wanted))
-    tiles = -(-context // config.block_n)
     fill = config.fill_splits
     if splits < fill <= tiles // MIN_TILES_PER_SPLIT and wanted >= UNDERFILLED:
         splits = fill
@@ -111,28 +151,27 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                          seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                          causal: bool, attn_bias: torch.Tensor | None, max_seq_len: int | None,
                          max_query_len: int | None, config: LaunchConfig | None = None,
-                         splits: int | None = None) -> None:
+                         splits: int | None = None, native: bool | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
-    (the benchmark's sweeps)."""
+    (the benchmark's sweeps). ``native``: None takes the CUDA C++ INT8 decode where it
+    applies, False always the Triton kernel, True requires the CUDA C++ one."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
-    v_int8 = value_cache.dtype == torch.int8
+    if native is not False:
+        reason = (native_int8_reason(query, key_cache, value_cache, attn_bias, max_query_len)
+                  if int8_k else "key cache is not int8")
+        if native and reason:
+            raise ValueError(f"the CUDA C++ INT8 decode cannot run this call: {reason}")
+        native = reason is None
     context = max_seq_len if max_seq_len is not None else max_blocks * page
+    default = native_int8_config(head_dim, query.device) if native else launch_config(int8_k)
     plan = launch_plan(num_tokens, num_q_heads, num_kv_heads, head_dim, batch, context,
-                       max_query_len, _sm_count(query.device), config or launch_config(int8_k))
-    config = plan.config
+                       max_query_len, _sm_count(query.device), config or default)
     splits = plan.splits if splits is None else splits
-
     # Pointer slots a specialisation does not read get any tensor (Triton needs a pointer).
-    if int8_k:
-        q, q_scale = quantize_int8(query)
-    else:
-        q, q_scale = query, query
-    ks = key_scale if int8_k else q_scale
-    vs = value_scale if value_scale is not None else ks
-    bias, bias_strides, bias_rows, bias_cols, bias_bool = _bias_args(attn_bias, out)
+    q, q_scale = quantize_int8(query) if int8_k else (query, query)
     direct = splits == 1
     if direct:
         part_o = part_lse = out
@@ -140,6 +179,36 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         rows = splits * num_tokens * num_q_heads
         parts = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
         part_o, part_lse = parts[: rows * head_dim], parts[rows * head_dim:]
+    if native:
+        cuda_native.int8_decode_into(out, q, q_scale, key_cache, value_cache, key_scale,
+                                     value_scale, block_table, seq_lens, query_start_loc,
+                                     scale * LOG2E, splits, plan.config.num_stages,
+                                     part_o, part_lse)
+    else:
+        _launch_triton(plan, splits, out, q, q_scale, key_cache, value_cache, key_scale,
+                       value_scale, block_table, seq_lens, query_start_loc, scale, causal,
+                       attn_bias, part_o, part_lse)
+    if not direct:
+        combine_splits_kernel[(num_tokens * num_q_heads,)](
+            part_o, part_lse, out, num_tokens * num_q_heads, splits,
+            SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
+            num_warps=max(1, min(4, head_dim // 64)),
+        )
+
+
+def _launch_triton(plan: LaunchPlan, splits: int, out, q, q_scale, key_cache, value_cache,
+                   key_scale, value_scale, block_table, seq_lens, query_start_loc, scale,
+                   causal, attn_bias, part_o, part_lse) -> None:
+    """The Triton attention kernel for every call the CUDA C++ decode does not take."""
+    num_tokens, _, head_dim = q.shape
+    num_blocks, page, num_kv_heads, _ = key_cache.shape
+    batch, max_blocks = block_table.shape
+    int8_k = key_scale is not None
+    v_int8 = value_cache.dtype == torch.int8
+    config = plan.config
+    ks = key_scale if int8_k else q_scale
+    vs = value_scale if value_scale is not None else ks
+    bias, bias_strides, bias_rows, bias_cols, bias_bool = _bias_args(attn_bias, out)
     paged_attention_kernel[(batch, num_kv_heads, splits)](
         q, q_scale, key_cache, value_cache, ks, vs, block_table, seq_lens, query_start_loc,
         bias, out, part_o, part_lse,
@@ -151,16 +220,10 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         GROUP=plan.group, GROUP_PAD=plan.group_pad, QT=plan.qt, BLOCK_M=plan.block_m,
         BLOCK_N=config.block_n,
         HEAD_DIM=head_dim, PAGE=page, INT8_K=int8_k, V_INT8=v_int8, CAUSAL=causal,
-        HAS_BIAS=attn_bias is not None, BIAS_BOOL=bias_bool, DIRECT=direct,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DECODE=plan.decode,
+        HAS_BIAS=attn_bias is not None, BIAS_BOOL=bias_bool, DIRECT=splits == 1,
+        PRECISION="ieee" if out.dtype == torch.float32 else "tf32", DECODE=plan.decode,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not direct:
-        combine_splits_kernel[(num_tokens * num_q_heads,)](
-            part_o, part_lse, out, num_tokens * num_q_heads, splits,
-            SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
-            num_warps=max(1, min(4, head_dim // 64)),
-        )
 
 
 register_device_kernels("cuda", paged_attention_into, quantize_int8)
