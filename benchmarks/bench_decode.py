@@ -307,6 +307,7 @@ def plot(rows: list[dict], bw: float, path: str) -> None:
 
 
 INT8_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
+BF16_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 8, 2)]
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -329,7 +330,7 @@ def sweep_native(bw: float) -> None:
             line = []
             for stages in INT8_DECODE_STAGES[geo[2]]:
                 config = pf_cuda.native_int8_config(geo[2], torch.device("cuda"), stages)
-                for n in ((2, 4, 8, 16) if batch == 8 else (1, 2, 4)):
+                for n in ((4, 6, 8, 16) if batch == 8 else (1, 2, 3, 4)):
                     us = bench(lambda n=n, c=config, cs=case: _pf_call(
                         cs, "int8_kv", config=c, splits=n, native=True), reps)
                     line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
@@ -341,31 +342,34 @@ def sweep_native(bw: float) -> None:
 
 
 def sweep(bw: float, what: str) -> None:
-    """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton INT8 tile configs
-    ("tiles") or the bf16 split counts ("splits")."""
+    """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton bf16 and INT8 K tile
+    configs ("tiles") or the bf16 split counts ("splits")."""
     if what == "native":
         sweep_native(bw)
         return
     reps = dict(warmup=5, rep=20)
-    batch, length = 64, 8192  # the point of the issue's INT8 measurements
+    batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets
     for gname, geo in (GEOMETRIES.items() if what == "tiles" else ()):
         case = Case(geo, batch, length)
-        for kind in ("int8_kv", "int8_k"):
+        contig_us = min(best_contiguous(case, reps).values())
+        print(f"{gname} B={batch} L={length}: contiguous SDPA {contig_us:.1f} us", flush=True)
+        for kind, configs, splits in (("bf16", BF16_CONFIGS, (1, 4)),
+                                      ("int8_k", INT8_CONFIGS, (1, 2))):
             floor_us = case.bytes(kind) / bw * 1e6
             results = []
-            for cfg in (pf_cuda.LaunchConfig(*c) for c in INT8_CONFIGS):
+            for cfg, n in ((pf_cuda.LaunchConfig(*c), n) for c in configs for n in splits):
                 try:
-                    us = bench(lambda c=cfg, k=kind, cs=case: _pf_call(cs, k, config=c),
-                               reps)
+                    us = bench(lambda c=cfg, k=kind, n=n, cs=case: _pf_call(
+                        cs, k, config=c, splits=n), reps)
                 except Exception as exc:
                     print(f"  {gname} {kind} {cfg}: {type(exc).__name__}")
                     continue
-                results.append((us, cfg))
+                results.append((us, cfg, n))
             results.sort(key=lambda x: x[0])
-            print(f"{gname} B={batch} L={length} {kind}: "
-                  + ", ".join(f"{c.block_n}/{c.num_warps}/{c.num_stages}:{u:.0f}us "
-                              f"({100 * floor_us / u:.0f}%)" for u, c in results[:4]),
-                  flush=True)
+            print(f"{gname} B={batch} L={length} {kind} (block_n/warps/stages x splits): "
+                  + ", ".join(f"{c.block_n}/{c.num_warps}/{c.num_stages}x{n}: {u:.0f} us "
+                              f"({100 * floor_us / u:.0f}%, {u / contig_us:.2f}x contig)"
+                              for u, c, n in results[:5]), flush=True)
         del case
     for gname, geo in (GEOMETRIES.items() if what == "splits" else ()):
         for batch, length in ((1, 1536), (1, 8192), (1, 32768), (8, 1536), (8, 8192),

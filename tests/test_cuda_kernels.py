@@ -156,9 +156,10 @@ def test_split_heuristic_matches_the_h200_sweep(geo, batch, length, int8, chosen
 
 @pytest.mark.parametrize(("geo", "batch", "resident", "chosen"), [
     ((4, 256), 8, 2, 8),  # qwen35, loads to registers: 8 splits measured best (B=8)
-    ((8, 128), 8, 2, 4),  # llama3_8b, 3-tile pipeline: 4 best (8: 8-13% slower)
+    ((8, 128), 8, 3, 4),  # llama3_8b, 2-tile pipeline: 4 (6 within 1%, 8 23% slower)
     ((4, 64), 8, 5, 16),  # tinyllama, 2-tile pipeline: 16 best
-    ((8, 128), 64, 2, 1),  # B=64: one wave at 1 split
+    ((8, 128), 64, 3, 3),  # B=64: 512 programs on 396 slots; 3 splits best (1: 31% slower)
+    ((4, 256), 64, 2, 1),  # 256 programs, one wave
     ((4, 256), 1, 2, 64),  # B=1, L=8192: capped by the 64 key tiles
 ])
 def test_native_split_rule_fills_one_wave(geo, batch, resident, chosen):
@@ -167,6 +168,18 @@ def test_native_split_rule_fills_one_wave(geo, batch, resident, chosen):
     hkv, d = geo
     config = cuda.LaunchConfig(128, 4, 0, resident=resident)
     assert cuda.num_kv_splits(batch, hkv, d, 8192, 132, config) == chosen
+
+
+@pytest.mark.parametrize(("programs", "slots", "chosen"), [
+    (512, 396, 3),  # 1 split: 2 waves, the second 29% full; 3 splits: 4 waves, 97%
+    (512, 264, 1),  # 2 waves, 97% full
+    (640, 264, 2),  # 1 split: 81%; 2: 97%
+    (256, 264, 1),  # one wave
+])
+def test_wave_splits_avoid_a_mostly_idle_last_wave(programs, slots, chosen):
+    from pagedfuse.ops import cuda
+
+    assert cuda.wave_splits(programs, slots) == chosen
 
 
 PREFILL_CASES = {

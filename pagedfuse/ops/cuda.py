@@ -21,6 +21,7 @@ from pagedfuse.ops.triton_quantize import next_power_of_2, quantize_int8
 MIN_ROWS = 16  # tl.dot needs M >= 16: the group's heads are padded up to it
 MAX_ROWS = 64  # q_len > 1: query tokens per tile, times the padded group
 PROGRAMS_PER_SM = 4  # split-KV target for head_dim 128 (see num_kv_splits)
+WAVE_FILL = 0.9  # multi-wave grids: the least busy share of the last wave's slots
 UNDERFILLED = 4 / 3  # wanted splits from here on: one split leaves the GPU short of programs
 MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this many tiles
 
@@ -45,15 +46,16 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 
 
-NATIVE_INT8_STAGES = {64: 2, 128: 3, 256: 0}
+NATIVE_INT8_STAGES = {64: 2, 128: 2, 256: 0}
 
 
 def native_int8_config(head_dim: int, device: torch.device,
                        stages: int | None = None) -> LaunchConfig:
     """The CUDA C++ INT8 K+V decode: a CTA of 4 warps steps 128 keys at a time (block_n, the
     split heuristic's tile); num_stages is its pipeline depth, by default the fastest on the
-    H200 (benchmarks/NOTES-gpu.md): 0 (loads straight to registers) for head_dim 256, a
-    3-tile cp.async pipeline for 128, 2 tiles for 64; resident is the CUDA occupancy."""
+    H200 with the wave split rule (benchmarks/NOTES-gpu.md): 0 (loads straight to registers)
+    for head_dim 256, a 2-tile cp.async pipeline for 128 and 64; resident is the CUDA
+    occupancy of that variant."""
     stages = NATIVE_INT8_STAGES[head_dim] if stages is None else stages
     return LaunchConfig(128, 4, stages, resident=cuda_native.int8_decode_resident(
         device, head_dim, stages))
@@ -84,18 +86,16 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
                   sm_count: int, config: LaunchConfig) -> int:
     """Splits per sequence, never more than key tiles.
 
-    With ``config.resident`` (the CUDA C++ decode): the largest power of two whose grid still
-    fits in one wave (resident x SMs programs), since a partial second wave idles most of
-    the GPU (the H200 sweep in NOTES-gpu.md). Otherwise (Triton): a power of two so the grid
-    holds about PROGRAMS_PER_SM programs per SM, scaled by sqrt(128 / head_dim) (bigger
-    tiles keep more bytes in flight per program). Where 4/3 or more splits are wanted but
-    fewer than ``config.fill_splits`` (bf16 at B=64 with 4 KV heads on the H200), a long
-    context takes ``fill_splits``: there 1 split under-fills the GPU and 2 measured slow, 4
-    was 3-9% faster. Fitted to the H200 sweeps in NOTES-gpu.md."""
+    With ``config.resident`` (the CUDA C++ decode): wave_splits. Otherwise (Triton): a power
+    of two so the grid holds about PROGRAMS_PER_SM programs per SM, scaled by
+    sqrt(128 / head_dim) (bigger tiles keep more bytes in flight per program). Where 4/3 or
+    more splits are wanted but fewer than ``config.fill_splits`` (bf16 at B=64 with 4 KV
+    heads on the H200), a long context takes ``fill_splits``: there 1 split under-fills the
+    GPU and 2 measured slow, 4 was 3-9% faster. Fitted to the H200 sweeps in NOTES-gpu.md."""
     tiles = -(-context // config.block_n)
     if config.resident:
-        wave = config.resident * sm_count // max(batch * num_kv_heads, 1)
-        return max(1, min(1 << (max(wave, 1).bit_length() - 1), tiles))
+        return max(1, min(wave_splits(batch * num_kv_heads, config.resident * sm_count),
+                          tiles))
     target = PROGRAMS_PER_SM * sm_count * math.sqrt(128 / head_dim)
     wanted = max(1.0, target / max(batch * num_kv_heads, 1))
     splits = 1 << int(math.log2(wanted))
@@ -103,6 +103,23 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
     if splits < fill <= tiles // MIN_TILES_PER_SPLIT and wanted >= UNDERFILLED:
         splits = fill
     return max(1, min(splits, tiles))
+
+
+def wave_splits(programs: int, slots: int, max_splits: int = 8) -> int:
+    """Splits for a grid of ``programs`` x splits on a GPU that runs ``slots`` programs at
+    once. If one split fits in one wave: the largest power of two that still does. If not:
+    the fewest splits whose last wave is at least WAVE_FILL full, since a partial wave idles
+    the rest of the GPU for a whole program's time (H200 sweep in NOTES-gpu.md: 512 programs
+    on 396 slots took 416 µs at 1 split, 339 µs at 2)."""
+    if programs <= slots:
+        return 1 << ((slots // max(programs, 1)).bit_length() - 1)
+
+    def fill(splits: int) -> float:
+        work = programs * splits
+        return work / (-(-work // slots) * slots)
+
+    return next((s for s in range(1, max_splits + 1) if fill(s) >= WAVE_FILL),
+                max(range(1, max_splits + 1), key=fill))
 
 
 def _bias_args(attn_bias: torch.Tensor | None, unused: torch.Tensor):
