@@ -214,6 +214,9 @@ BAD_INPUTS = [
      "key_cache: head_dim 64 must equal"),
     ("gqa ratio", lambda c: {"query": torch.randn(6, 3, 64)}, ValueError,
      "query: num_q_heads 3 is not a multiple"),
+    ("empty cache", lambda c: {"key_cache": c["key_cache"][:0], "value_cache":
+                               c["value_cache"][:0]}, ValueError,
+     "key_cache: no blocks, but there are query tokens"),
     ("block_table dtype", lambda c: {"block_table": c["block_table"].float()}, TypeError,
      "block_table: dtype float32"),
     ("block_table rank", lambda c: {"block_table": c["block_table"].flatten()}, ValueError,

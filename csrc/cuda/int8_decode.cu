@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (i < num_tiles) issue(i, locate(i));
       cp_async_commit();  // empty groups keep the wait count uniform
     }
-    next_at = locate(S - 1);
+    next_at = num_tiles > 0 ? locate(S - 1) : make_int2(0, 0);  // no table row to read
   }
 
   int8_t* p_row = &s_p[warp][0][0];
@@ -471,6 +471,25 @@ cudaError_t dispatch(const Args& a, int head_dim, int stages, dim3 grid, cudaStr
   }
 }
 
+// Makes `device` current for this library's runtime and restores the previous one on exit,
+// so a call for a tensor on another GPU leaves the caller's current device as it was.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    status_ = cudaGetDevice(&previous_);
+    if (status_ == cudaSuccess && previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t status_;
+};
+
 }  // namespace
 
 extern "C" {
@@ -488,8 +507,8 @@ int pagedfuse_int8_decode(int device, void* stream, int out_dtype, int index64, 
                           const void* block_table, const void* seq_lens,
                           const void* query_start, void* out, float* part_o, float* part_lse,
                           float scale_log2, const int64_t* sizes, const int64_t* strides) {
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return err;
+  const DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return guard.status();
   Args a{q, q_scale, k, v, k_scale, v_scale, block_table, seq_lens, query_start, out,
          part_o, part_lse, scale_log2,
          sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], static_cast<int>(sizes[5]),
@@ -507,15 +526,15 @@ int pagedfuse_int8_decode(int device, void* stream, int out_dtype, int index64, 
 // CTAs of the (head_dim, stages) variant that fit on one multiprocessor (registers and
 // shared memory), into *resident; returns a cudaError_t code.
 int pagedfuse_int8_decode_occupancy(int device, int head_dim, int stages, int* resident) {
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return err;
+  const DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return guard.status();
   return dispatch<__nv_bfloat16>(Args{}, head_dim, stages, dim3(0, 1, 1), nullptr, resident);
 }
 
 // 0 when this build has machine code or PTX the device can run, else a cudaError_t code.
 int pagedfuse_int8_decode_probe(int device) {
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return err;
+  const DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, int8_decode_kernel<128, 0, __nv_bfloat16>);
 }

@@ -202,6 +202,10 @@ def check_metadata(
         raise ValueError(f"key_cache: head_dim {k_dim} must equal query's head_dim {head_dim}")
     if _static((block_size,)) and block_size < 1:
         raise ValueError(f"key_cache: block_size must be >= 1, got {block_size}")
+    if _static((num_blocks, num_tokens)) and num_blocks < 1 and num_tokens > 0:
+        # every query token is one of its sequence's keys, so it needs a block; and the GPU
+        # kernels, which clamp block ids into the cache instead of checking them, need one
+        raise ValueError("key_cache: no blocks, but there are query tokens")
     if _static((num_q_heads, num_kv_heads)) and (num_kv_heads < 1 or num_q_heads % num_kv_heads):
         raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of key_cache's "
                          f"num_kv_heads {num_kv_heads} (GQA needs Hq % Hkv == 0)")
