@@ -84,34 +84,21 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&
   u[3] = __byte_perm(x1, y1, 0x7632);
 }
 
-// NB bytes (16-byte multiples, or 8; p aligned to that) from global memory into NB / 4 words.
-template <int NB>
-__device__ __forceinline__ void load_bytes(const int8_t* p, uint32_t* w) {
+// NB bytes (16-byte multiples, or 8; p aligned to that) into NB / 4 words, from global
+// memory through the read-only path (kGlobal) or from shared memory.
+template <int NB, bool kGlobal>
+__device__ __forceinline__ void load_words(const int8_t* p, uint32_t* w) {
   if constexpr (NB % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < NB / 16; ++i) {
-      const uint4 x = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4* src = reinterpret_cast<const uint4*>(p) + i;
+      const uint4 x = kGlobal ? __ldg(src) : *src;
       w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
     }
   } else {
     static_assert(NB == 8, "unsupported row chunk");
-    const uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = x.x, w[1] = x.y;
-  }
-}
-
-// NB bytes (16-byte multiples, or 8) from shared memory into NB / 4 words.
-template <int NB>
-__device__ __forceinline__ void load_shared(const int8_t* p, uint32_t* w) {
-  if constexpr (NB % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < NB / 16; ++i) {
-      const uint4 x = reinterpret_cast<const uint4*>(p)[i];
-      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-    }
-  } else {
-    static_assert(NB == 8, "unsupported row chunk");
-    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    const uint2* src = reinterpret_cast<const uint2*>(p);
+    const uint2 x = kGlobal ? __ldg(src) : *src;
     w[0] = x.x, w[1] = x.y;
   }
 }
@@ -221,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t head0 = kvh * group;
   uint32_t qf[KW];
   if (g < group) {
-    load_bytes<D / 4>(a.q + token * a.q_stride_t + (head0 + g) * D + t * (D / 4), qf);
+    load_words<D / 4, true>(a.q + token * a.q_stride_t + (head0 + g) * D + t * (D / 4), qf);
   } else {
 #pragma unroll
     for (int i = 0; i < KW; ++i) qf[i] = 0;
@@ -298,27 +285,28 @@ __global__ void __launch_bounds__(kWarps * 32)
       const TileBuf<D>& buf = bufs[i % S];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        load_shared<D / 4>(&buf.k[g + 8 * j][t * (D / 4)], kw[j]);
+        load_words<D / 4, false>(&buf.k[g + 8 * j][t * (D / 4)], kw[j]);
         ks[j] = buf.ks[g + 8 * j];
         vs[j] = buf.vs[g + 8 * j];
       }
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
-        load_shared<D / 8>(&buf.v[s < 4 ? 4 * t + s : 12 + 4 * t + s][g * VD], vw[s]);
+        load_words<D / 8, false>(&buf.v[s < 4 ? 4 * t + s : 12 + 4 * t + s][g * VD], vw[s]);
       }
     } else {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int2 at = locate_token(tile + g + 8 * j);
-        load_bytes<D / 4>(a.k + at.x * a.k_sb + at.y * a.k_st + kvh * a.k_sh + t * (D / 4),
-                          kw[j]);
+        load_words<D / 4, true>(
+            a.k + at.x * a.k_sb + at.y * a.k_st + kvh * a.k_sh + t * (D / 4), kw[j]);
         ks[j] = a.k_scale[at.x * a.ks_sb + at.y * a.ks_st + kvh * a.ks_sh];
         vs[j] = a.v_scale[at.x * a.vs_sb + at.y * a.vs_st + kvh * a.vs_sh];
       }
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         const int2 at = locate_token(tile + (s < 4 ? 4 * t + s : 12 + 4 * t + s));
-        load_bytes<D / 8>(a.v + at.x * a.v_sb + at.y * a.v_st + kvh * a.v_sh + g * VD, vw[s]);
+        load_words<D / 8, true>(a.v + at.x * a.v_sb + at.y * a.v_st + kvh * a.v_sh + g * VD,
+                                vw[s]);
       }
     }
 
