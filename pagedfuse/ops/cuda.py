@@ -21,7 +21,7 @@ from pagedfuse.ops.triton_quantize import next_power_of_2, quantize_int8
 MIN_ROWS = 16  # tl.dot needs M >= 16: the group's heads are padded up to it
 MAX_ROWS = 64  # q_len > 1: query tokens per tile, times the padded group
 PROGRAMS_PER_SM = 4  # split-KV target for head_dim 128 (see num_kv_splits)
-WAVE_FILL = 0.9  # multi-wave grids: the least busy share of the last wave's slots
+WAVE_FILL = 0.9  # a grid over several waves keeps at least this share of their slots busy
 UNDERFILLED = 4 / 3  # wanted splits from here on: one split leaves the GPU short of programs
 MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this many tiles
 
@@ -110,7 +110,7 @@ def wave_splits(programs: int, slots: int, max_splits: int = 8) -> int:
     once. If one split fits in one wave: the largest power of two that still does. If not:
     the fewest splits whose last wave is at least WAVE_FILL full, since a partial wave idles
     the rest of the GPU for a whole program's time (H200 sweep in NOTES-gpu.md: 512 programs
-    on 396 slots took 416 µs at 1 split, 339 µs at 2)."""
+    on 396 slots took 416 µs at 1 split, 339 µs at 2 and 319 µs at 3, the rule's choice)."""
     if programs <= slots:
         return 1 << ((slots // max(programs, 1)).bit_length() - 1)
 
@@ -173,7 +173,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     (the benchmark's sweeps). ``native``: None takes the CUDA C++ INT8 decode where it
     applies, False always the Triton kernel, True requires the CUDA C++ one."""
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, page, num_kv_heads, _ = key_cache.shape
+    _, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
     if native is not False:
