@@ -282,8 +282,8 @@ def test_native_int8_decode_mixed_index_dtypes():
 
 
 def test_native_int8_decode_is_built_and_chosen():
-    """On a GPU machine setup.py builds the CUDA C++ library, and the INT8 K+V decode op
-    takes it; calls it cannot take say why and run the Triton kernel."""
+    """On a GPU machine setup.py builds the CUDA C++ library and an INT8 K+V decode call
+    qualifies for it; calls that cannot take it say why (they run the Triton kernel)."""
     from pagedfuse.ops import cuda, cuda_native
 
     assert cuda_native.int8_decode_available(torch.device("cuda")), \
