@@ -33,6 +33,10 @@ _INT8_DECODE_ARGTYPES = [
 ]
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built library, or None where setup.py did not build it (no nvcc / CPU torch)."""
@@ -70,10 +74,6 @@ def int8_decode_resident(device: torch.device, head_dim: int, stages: int) -> in
         raise RuntimeError(f"pagedfuse int8 decode occupancy query failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")
     return resident.value
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def int8_decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
