@@ -10,7 +10,7 @@ CUDA graph replay. "floor" = bytes that must be read / the copy bandwidth measur
 same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
-    python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles or splits
+    python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ def copy_bandwidth(gb: float = 4.0) -> float:
 class Case:
     """One (geometry, B, L) problem on the GPU, all layouts the methods need."""
 
-    def __init__(self, geo: tuple[int, int, int], batch: int, length: int):
+    def __init__(self, geo: tuple[int, int, int], batch: int, length: int, page: int = PAGE,
+                 shuffle: bool = True):
         hq, hkv, d = geo
         self.geo, self.batch, self.length = geo, batch, length
         self.scale = 1.0 / math.sqrt(d)
-        blocks = batch * length // PAGE
-        self.table = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
-        self.k = torch.randn(blocks, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+        blocks = batch * length // page
+        order = torch.randperm(blocks) if shuffle else torch.arange(blocks)
+        self.table = order.view(batch, -1).to(device="cuda", dtype=torch.int32)
+        self.k = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn_like(self.k)
         self.q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         self.seq_lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
@@ -341,11 +343,43 @@ def sweep_native(bw: float) -> None:
             torch.cuda.empty_cache()
 
 
+LAYOUTS = {"random page 16": (16, True), "in order page 16": (16, False),
+           "random page 128": (128, True)}
+
+
+def sweep_locality(bw: float) -> None:
+    """What the page table's randomness costs: each cache format's default kernel at B=64
+    with the blocks in random order (the table's case), in order, and in random pages of
+    128 tokens, next to contiguous SDPA."""
+    reps = dict(warmup=5, rep=20)
+    for gname, geo in GEOMETRIES.items():
+        for length in (8192, 32768):
+            contig_us = None
+            for layout, (page, shuffle) in LAYOUTS.items():
+                case = Case(geo, 64, length, page=page, shuffle=shuffle)
+                if contig_us is None:
+                    contig_us = min(best_contiguous(case, reps).values())
+                cells = []
+                for kind in ("bf16", "int8_kv", "int8_k"):
+                    us = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
+                    floor_us = case.bytes(kind) / bw * 1e6
+                    cells.append(f"{kind} {us:.1f} ({100 * floor_us / us:.0f}%, "
+                                 f"{us / contig_us:.2f}x)")
+                print(f"locality {gname} B=64 L={length} {layout}: " + ", ".join(cells)
+                      + f"; contiguous SDPA {contig_us:.1f}", flush=True)
+                del case
+                torch.cuda.empty_cache()
+
+
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton bf16 and INT8 K tile
-    configs ("tiles") or the bf16 split counts ("splits")."""
+    configs ("tiles"), the bf16 split counts ("splits") or the block table's order
+    ("locality")."""
     if what == "native":
         sweep_native(bw)
+        return
+    if what == "locality":
+        sweep_locality(bw)
         return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets
@@ -468,7 +502,9 @@ def _int8_kv_path() -> str:
     """Which kernel the INT8 K+V decode op runs here, and why not the CUDA C++ one."""
     q = torch.empty(1, 8, 128, device="cuda", dtype=torch.bfloat16)
     cache = torch.empty(1, 16, 2, 128, device="cuda", dtype=torch.int8)
-    reason = pf_cuda.native_int8_reason(q, cache, cache, None, 1)
+    scale = torch.empty(1, 16, 2, device="cuda")
+    table = torch.zeros(1, 1, device="cuda", dtype=torch.int32)
+    reason = pf_cuda.native_int8_reason(q, cache, cache, scale, scale, table, None, 1)
     return "CUDA C++" if reason is None else f"Triton: {reason}"
 
 
@@ -476,7 +512,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown section here")
     parser.add_argument("--plot", help="write the bandwidth plot here")
-    parser.add_argument("--sweep", choices=("native", "tiles", "splits"),
+    parser.add_argument("--sweep", choices=("native", "tiles", "splits", "locality"),
                         help="a tuning sweep instead of the table")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     args = parser.parse_args()

@@ -290,15 +290,19 @@ def test_native_int8_decode_is_built_and_chosen():
         "pagedfuse._cuda_kernels is not built (pip install -e . with nvcc on PATH)"
     case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8="kv")
     q, k, v = case["query"], case["key_cache"], case["value_cache"]
-    assert cuda.native_int8_reason(q, k, v, None, 1) is None
-    assert cuda.native_int8_reason(q, k, v, None, 4) == "more than one query token per sequence"
-    assert cuda.native_int8_reason(q, k, v.to(torch.bfloat16), None, 1) == \
-        "value cache is not int8"
+    scales = case["key_scale"], case["value_scale"], case["block_table"]
+
+    def reason(q, k, v, max_query_len=1):
+        return cuda.native_int8_reason(q, k, v, *scales, None, max_query_len)
+
+    assert reason(q, k, v) is None
+    assert reason(q, k, v, 4) == "more than one query token per sequence"
+    assert reason(q, k, v.to(torch.bfloat16)) == "value cache is not int8"
     wide = torch.empty(1, 16, 1, 128, device="cuda", dtype=torch.int8)
     q16 = torch.empty(1, 16, 128, device="cuda", dtype=torch.bfloat16)
-    assert "query heads per KV head" in cuda.native_int8_reason(q16, wide, wide, None, 1)
+    assert "query heads per KV head" in reason(q16, wide, wide)
     odd = torch.empty(1, 16, 2, 136, device="cuda", dtype=torch.int8)[..., :128]
-    assert cuda.native_int8_reason(q, odd, odd, None, 1) == "cache rows not 16-byte aligned"
+    assert reason(q, odd, odd) == "cache rows not 16-byte aligned"
     with pytest.raises(ValueError, match="more than one query token"):
         run_kernel(make_case(batch=2, q_lens=[2, 1], kv_int8="kv"), native=True)
 

@@ -10,10 +10,19 @@ import torch
 from pagedfuse.ops import cuda_native
 
 
-def _args(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0):
+def _args(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0, cache=None, scale=None):
     query = torch.zeros(3, hq, d, dtype=dtype)
-    cache = torch.zeros(4, 16, hkv, d + row_pad, dtype=torch.int8)[..., :d]
-    return query, cache, cache, hq // hkv
+    if cache is None:
+        cache = torch.zeros(4, 16, hkv, d + row_pad, dtype=torch.int8)[..., :d]
+    if scale is None:
+        scale = torch.zeros(cache.shape[:3])
+    table = torch.zeros(3, 5, dtype=torch.int32)
+    return query, cache, cache, scale, scale, table, hq // hkv
+
+
+def _spread(shape, strides, dtype):
+    """A tensor whose rows lie far apart, with no memory behind it (meta device)."""
+    return torch.empty_strided(shape, strides, dtype=dtype, device="meta")
 
 
 def test_cpu_tensors_never_take_the_cuda_library():
@@ -27,7 +36,21 @@ def test_cpu_tensors_never_take_the_cuda_library():
     (dict(d=96), "head_dim 96"),
     (dict(hq=32, hkv=2), "16 query heads per KV head (at most 8)"),
     (dict(row_pad=8), "cache rows not 16-byte aligned"),
+    # 2^32 16-byte units: the first K/V offset the kernel's 32-bit arithmetic cannot hold
+    (dict(cache=_spread((2, 16, 2, 128), (2**36, 256, 128, 1), torch.int8)),
+     "cache or table offsets beyond 32 bits"),
+    (dict(scale=_spread((2, 16, 2), (2**32, 2, 1), torch.float32)),
+     "cache or table offsets beyond 32 bits"),
 ])
 def test_unsupported_calls_say_why(kwargs, reason):
     assert cuda_native.int8_decode_unsupported(*_args(**kwargs)) == reason
 
+
+
+def test_the_offset_limit_is_exact():
+    """The last 16-byte unit a 32-bit offset reaches passes the offset check (this machine
+    then lacks the library), one more does not."""
+    for stride, reason in ((2**36 - 16, "pagedfuse._cuda_kernels not built for this device"),
+                           (2**36, "cache or table offsets beyond 32 bits")):
+        cache = _spread((2, 1, 2, 128), (stride, 256, 128, 1), torch.int8)
+        assert cuda_native.int8_decode_unsupported(*_args(cache=cache)) == reason

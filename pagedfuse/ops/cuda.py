@@ -46,7 +46,7 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 
 
-NATIVE_INT8_STAGES = {64: 2, 128: 2, 256: 0}
+NATIVE_INT8_STAGES = {64: 0, 128: 2, 256: 0}
 
 
 def native_int8_config(head_dim: int, device: torch.device,
@@ -54,7 +54,7 @@ def native_int8_config(head_dim: int, device: torch.device,
     """The CUDA C++ INT8 K+V decode: a CTA of 4 warps steps 128 keys at a time (block_n, the
     split heuristic's tile); num_stages is its pipeline depth, by default the fastest on the
     H200 with the wave split rule (benchmarks/NOTES-gpu.md): 0 (loads straight to registers)
-    for head_dim 256, a 2-tile cp.async pipeline for 128 and 64; resident is the CUDA
+    for head_dim 64 and 256, a 2-tile cp.async pipeline for 128; resident is the CUDA
     occupancy of that variant."""
     stages = NATIVE_INT8_STAGES[head_dim] if stages is None else stages
     return LaunchConfig(128, 4, stages, resident=cuda_native.int8_decode_resident(
@@ -62,17 +62,20 @@ def native_int8_config(head_dim: int, device: torch.device,
 
 
 def native_int8_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       attn_bias: torch.Tensor | None, max_query_len: int | None) -> str | None:
+                       key_scale: torch.Tensor, value_scale: torch.Tensor | None,
+                       block_table: torch.Tensor, attn_bias: torch.Tensor | None,
+                       max_query_len: int | None) -> str | None:
     """Why a call cannot take the CUDA C++ INT8 decode (None: it can): it needs INT8 K and
     V, one query token per sequence and no bias, plus cuda_native's own conditions."""
-    if value_cache.dtype != torch.int8:
+    if value_cache.dtype != torch.int8 or value_scale is None:
         return "value cache is not int8"
     if attn_bias is not None:
         return "attn_bias"
     if (max_query_len if max_query_len is not None else query.shape[0]) > 1:
         return "more than one query token per sequence"
     group = query.shape[1] // key_cache.shape[2]
-    return cuda_native.int8_decode_unsupported(query, key_cache, value_cache, group)
+    return cuda_native.int8_decode_unsupported(query, key_cache, value_cache, key_scale,
+                                               value_scale, block_table, group)
 
 
 @functools.cache
@@ -177,7 +180,8 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
     if native is not False:
-        reason = (native_int8_reason(query, key_cache, value_cache, attn_bias, max_query_len)
+        reason = (native_int8_reason(query, key_cache, value_cache, key_scale, value_scale,
+                                     block_table, attn_bias, max_query_len)
                   if int8_k else "key cache is not int8")
         if native and reason:
             raise ValueError(f"the CUDA C++ INT8 decode cannot run this call: {reason}")

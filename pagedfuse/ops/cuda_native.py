@@ -18,9 +18,10 @@ import torch
 LIBRARY = "pagedfuse._cuda_kernels"
 # head_dim -> the pipeline depths built in csrc/cuda/int8_decode.cu (0: no pipeline, loads
 # straight to registers); the launcher's switch lists the same pairs.
-INT8_DECODE_STAGES = {64: (0, 2, 4, 6), 128: (0, 2, 3, 4), 256: (0, 2, 3)}
+INT8_DECODE_STAGES = {64: (0, 2), 128: (0, 2, 3), 256: (0, 2)}
 INT8_DECODE_MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 V)
+OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -76,8 +77,16 @@ def int8_decode_resident(device: torch.device, head_dim: int, stages: int) -> in
     return resident.value
 
 
+def _token_span(t: torch.Tensor) -> int:
+    """Elements from a tensor's start to its last (block, token) row: the largest per-token
+    offset the kernel computes (the head's offset is added in 64 bits)."""
+    return sum((n - 1) * st for n, st in zip(t.shape[:2], t.stride()[:2], strict=True))
+
+
 def int8_decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, group: int) -> str | None:
+                            value_cache: torch.Tensor, key_scale: torch.Tensor,
+                            value_scale: torch.Tensor, block_table: torch.Tensor,
+                            group: int) -> str | None:
     """Why the CUDA C++ INT8 decode cannot take this call (None: it can). The caller has
     already checked decode (q_len <= 1), no bias and an int8 value cache."""
     if query.dtype not in (torch.bfloat16, torch.float16):
@@ -90,6 +99,12 @@ def int8_decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
         if cache.stride(3) != 1 or cache.data_ptr() % ALIGN or any(
                 s % ALIGN for s in cache.stride()[:3]):
             return "cache rows not 16-byte aligned"
+    # Per-token offsets are 32-bit in the kernel: K/V rows in 16-byte units (64 GiB), scales
+    # and table entries in elements.
+    if max(_token_span(key_cache), _token_span(value_cache)) >= OFFSET_LIMIT * ALIGN or max(
+            _token_span(key_scale), _token_span(value_scale),
+            (block_table.shape[1] - 1) * block_table.stride(1)) >= OFFSET_LIMIT:
+        return "cache or table offsets beyond 32 bits"
     if not int8_decode_available(query.device):
         return "pagedfuse._cuda_kernels not built for this device"
     return None

@@ -1,0 +1,41 @@
+"""One decode method on one benchmark case, called a few times: a target for Nsight Compute.
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
+        -k regex:int8_decode --launch-skip 2 --launch-count 1 \\
+        python benchmarks/profile_decode.py --geo llama3_8b --batch 64 --length 8192 \\
+        --kind int8_kv
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_decode import GEOMETRIES, Case, _pf_call, contiguous_sdpa
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geo", choices=GEOMETRIES, default="llama3_8b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--kind", choices=("bf16", "int8_kv", "int8_k", "contiguous"),
+                        default="int8_kv")
+    parser.add_argument("--in-order", action="store_true", help="blocks in order, not shuffled")
+    parser.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    case = Case(GEOMETRIES[args.geo], args.batch, args.length, shuffle=not args.in_order)
+    if args.kind == "contiguous":
+        hq, hkv, d = case.geo
+        q4 = case.q.view(case.batch, hkv, hq // hkv, d)
+        call = lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig, case.scale)  # noqa: E731
+    else:
+        call = lambda: _pf_call(case, args.kind)  # noqa: E731
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
