@@ -315,7 +315,8 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 def sweep_native(bw: float) -> None:
     """INT8 K+V: the CUDA C++ decode for each built pipeline depth and several split counts,
-    against the Triton kernel (at its heuristic's splits), at B=8 and B=64."""
+    against the Triton kernel (at its heuristic's splits) and contiguous bf16 SDPA, at B=8
+    and B=64."""
     from pagedfuse.ops.cuda_native import INT8_DECODE_STAGES
 
     reps = dict(warmup=5, rep=20)
@@ -325,6 +326,7 @@ def sweep_native(bw: float) -> None:
                 continue
             case = Case(geo, batch, length)
             floor_us = case.bytes("int8_kv") / bw * 1e6
+            contig_us = min(best_contiguous(case, reps).values())
             triton_us = bench(lambda cs=case: _pf_call(cs, "int8_kv", native=False), reps)
             default = pf_cuda.native_int8_config(geo[2], torch.device("cuda"))
             auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
@@ -338,7 +340,8 @@ def sweep_native(bw: float) -> None:
                     line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
             print(f"int8_kv {gname} B={batch} L={length}: Triton {triton_us:.1f} "
                   f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
-                  + ", ".join(line) + f"; default {default.num_stages}/{auto}", flush=True)
+                  + ", ".join(line) + f"; default {default.num_stages}/{auto}; contiguous "
+                  f"bf16 SDPA {contig_us:.1f}", flush=True)
             del case
             torch.cuda.empty_cache()
 
