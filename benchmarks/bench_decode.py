@@ -49,7 +49,8 @@ def copy_bandwidth(gb: float = 4.0) -> float:
 
 
 class Case:
-    """One (geometry, B, L) problem on the GPU, all layouts the methods need."""
+    """One (geometry, B, L) problem on the GPU, all layouts the methods need; the cache's
+    blocks are in random order unless ``shuffle`` is False."""
 
     def __init__(self, geo: tuple[int, int, int], batch: int, length: int, page: int = PAGE,
                  shuffle: bool = True):

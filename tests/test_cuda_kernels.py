@@ -275,6 +275,30 @@ def test_native_int8_decode_every_pipeline_depth(d, stages):
     assert rel_err(out, reference(case)) < 3e-2
 
 
+def _rising_keys(case: dict, rate: float) -> None:
+    """Adds rate * p * (the group's mean query direction) to the key at position p of each
+    sequence and requantizes K: the scores climb along the sequence, so the running max
+    moves again and again after the first tile (the kernel's lazy rescale path)."""
+    k_float = case["unquantized"][0]
+    page, hkv = k_float.shape[1], k_float.shape[2]
+    query, table = case["query"].float().cpu(), case["block_table"].cpu().long()
+    for b, n in enumerate(case["seq_lens"].tolist()):
+        direction = query[b].view(hkv, -1, query.shape[-1]).mean(1)
+        direction = direction / direction.norm(dim=-1, keepdim=True)
+        pos = torch.arange(n)
+        k_float[table[b, pos // page], pos % page] += rate * pos[:, None, None] * direction
+    key, k_scale = quantize_int8_reference(k_float)
+    case["key_cache"], case["key_scale"] = key.cuda(), k_scale.cuda()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_native_int8_decode_rising_scores(splits):
+    case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8="kv", seq_lens=[900, 613])
+    _rising_keys(case, rate=0.1)
+    out = run_kernel(case, max_query_len=1, splits=splits, native=True)
+    assert rel_err(out, reference(case)) < 3e-2
+
+
 def test_native_int8_decode_mixed_index_dtypes():
     case = make_case(batch=3, hq=8, hkv=2, d=64, kv_int8="kv")
     case["seq_lens"] = case["seq_lens"].long()  # table and starts stay int32

@@ -46,7 +46,6 @@ def test_unsupported_calls_say_why(kwargs, reason):
     assert cuda_native.int8_decode_unsupported(*_args(**kwargs)) == reason
 
 
-
 def test_the_offset_limit_is_exact():
     """The last 16-byte unit a 32-bit offset reaches passes the offset check (this machine
     then lacks the library), one more does not."""
