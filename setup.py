@@ -73,6 +73,6 @@ extensions = [
     ),
 ]
 if _cuda_wanted():
-    extensions.append(NvccLibrary("pagedfuse._cuda_kernels", sources=["csrc/cuda/int8_decode.cu"]))
+    extensions.append(NvccLibrary("pagedfuse._cuda_kernels", sources=["csrc/cuda/paged_decode.cu"]))
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -4,7 +4,8 @@ Geometries (Hq, Hkv, D) x batch x context, page 16, random block permutation, bf
 row times, side by side in one run: eager gather + SDPA, the same under torch.compile
 (inductor), SDPA on already-contiguous K/V (best of cuDNN and flash: the proxy for the
 physical limit), naive INT8 dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
-K+V (the CUDA C++ decode where built, and the Triton kernel) and INT8 K + bf16 V. Times
+K+V and INT8 K + bf16 V, each by the op's default path (the CUDA C++ decode where built)
+and by the Triton kernel. Times
 are medians (triton.testing.do_bench, L2 flushed between calls); B=1 is also timed under
 CUDA graph replay. "floor" = bytes that must be read / the copy bandwidth measured in the
 same run.
@@ -90,12 +91,15 @@ class Case:
                 self.q, self.k8, self.ks, self.v8, self.vs, self.table, self.scale)),
             "pagedfuse bf16": ("bf16", lambda: OPS.paged_attention(
                 self.q, self.k, self.v, *tail)),
+            "pagedfuse bf16 Triton": ("bf16", lambda: _pf_call(self, "bf16", native=False)),
             "pagedfuse INT8 K+V": ("int8_kv", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v8, self.ks, self.vs, *tail)),
             "pagedfuse INT8 K+V Triton": ("int8_kv", lambda: _pf_call(self, "int8_kv",
                                                                       native=False)),
             "pagedfuse INT8 K": ("int8_k", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v, self.ks, None, *tail)),
+            "pagedfuse INT8 K Triton": ("int8_k", lambda: _pf_call(self, "int8_k",
+                                                                   native=False)),
         }
 
     @property
@@ -212,10 +216,15 @@ def compile_peers() -> dict[str, Callable]:
 
 
 METHOD_ORDER = ["eager gather+SDPA", "inductor gather+SDPA", "contiguous SDPA",
-                "naive INT8 inductor", "pagedfuse bf16", "pagedfuse INT8 K+V",
-                "pagedfuse INT8 K+V Triton", "pagedfuse INT8 K"]
-SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf i8 K+V", "pf i8 K+V Triton",
-         "pf i8 K"]
+                "naive INT8 inductor", "pagedfuse bf16", "pagedfuse bf16 Triton",
+                "pagedfuse INT8 K+V", "pagedfuse INT8 K+V Triton", "pagedfuse INT8 K",
+                "pagedfuse INT8 K Triton"]
+SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf bf16 Triton", "pf i8 K+V",
+         "pf i8 K+V Triton", "pf i8 K", "pf i8 K Triton"]
+RATIOS = {"pf/contig": "pagedfuse bf16", "pf Triton/contig": "pagedfuse bf16 Triton",
+          "i8KV/contig": "pagedfuse INT8 K+V", "i8KV Triton/contig": "pagedfuse INT8 K+V Triton",
+          "i8K/contig": "pagedfuse INT8 K", "i8K Triton/contig": "pagedfuse INT8 K Triton"}
+NATIVE_KIND = {"bf16": "half", "int8_kv": "int8_kv", "int8_k": "int8_k"}  # cuda_native's
 
 
 def _fmt(row: dict, name: str) -> str:
@@ -248,24 +257,24 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
         "captured in a CUDA graph, replayed with the L2 flushed before each replay) and the "
         "fraction of the K/V byte floor of that method's cache format (bf16; INT8 K+V with "
         "scales; INT8 K + bf16 V); for contiguous SDPA the faster backend is named. "
-        f"pf i8 K+V is the op's default path ({_int8_kv_path()}); pf i8 K+V Triton forces "
-        "the Triton kernel. Page 16, "
+        "pf bf16, pf i8 K+V and pf i8 K are the ops' default paths (bf16: "
+        f"{_native_path('bf16')}; INT8 K+V: {_native_path('int8_kv')}; INT8 K: "
+        f"{_native_path('int8_k')}); the Triton columns force the Triton kernel. Page 16, "
         "random block permutation, bf16 queries, q_len 1. FlexAttention paged was not run "
         "(not implemented in this benchmark).",
         "",
-        "| geometry | B | L | KV GB | " + " | ".join(SHORT) + " | pf/contig | i8KV/contig "
-        "| i8KV Triton/contig | i8K/contig | pf err | i8KV err |",
-        "|" + "---|" * (4 + len(SHORT) + 6),
+        "| geometry | B | L | KV GB | " + " | ".join(SHORT) + " | " + " | ".join(RATIOS)
+        + " | pf err | i8KV err | i8K err |",
+        "|" + "---|" * (4 + len(SHORT) + len(RATIOS) + 3),
     ]
     for r in rows:
         name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
         lines.append(
             f"| {name} | {r['B']} | {r['L']} | {r['kv_gb']:.2f} | "
-            + " | ".join(_fmt(r, m) for m in METHOD_ORDER)
-            + f" | {_ratio(r, 'pagedfuse bf16')} | {_ratio(r, 'pagedfuse INT8 K+V')} | "
-            f"{_ratio(r, 'pagedfuse INT8 K+V Triton')} | {_ratio(r, 'pagedfuse INT8 K')} | "
-            f"{_err(r, 'pagedfuse bf16')} | "
-            f"{_err(r, 'pagedfuse INT8 K+V')} |")
+            + " | ".join(_fmt(r, m) for m in METHOD_ORDER) + " | "
+            + " | ".join(_ratio(r, m) for m in RATIOS.values())
+            + f" | {_err(r, 'pagedfuse bf16')} | {_err(r, 'pagedfuse INT8 K+V')} | "
+            f"{_err(r, 'pagedfuse INT8 K')} |")
     lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
               "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
               "host overhead shows where it exceeds the GPU time:", ""]
@@ -314,35 +323,38 @@ BF16_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (128
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def sweep_native(bw: float) -> None:
-    """INT8 K+V: the CUDA C++ decode for each built pipeline depth and several split counts,
-    against the Triton kernel (at its heuristic's splits) and contiguous bf16 SDPA, at B=8
-    and B=64."""
-    from pagedfuse.ops.cuda_native import INT8_DECODE_STAGES
+def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None:
+    """Each cache format: the CUDA C++ decode for each built pipeline depth and several
+    split counts, against the Triton kernel (at its heuristic's splits) and contiguous bf16
+    SDPA, at B=8 and B=64."""
+    from pagedfuse.ops.cuda_native import DECODE_STAGES
 
     reps = dict(warmup=5, rep=20)
+    device = torch.device("cuda")
     for gname, geo in GEOMETRIES.items():
         for batch, length in ((8, 8192), (8, 32768), (64, 8192), (64, 32768)):
             if not _fits(geo, batch, length):
                 continue
             case = Case(geo, batch, length)
-            floor_us = case.bytes("int8_kv") / bw * 1e6
             contig_us = min(best_contiguous(case, reps).values())
-            triton_us = bench(lambda cs=case: _pf_call(cs, "int8_kv", native=False), reps)
-            default = pf_cuda.native_int8_config(geo[2], torch.device("cuda"))
-            auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
-                                         pf_cuda._sm_count(torch.device("cuda")), default)
-            line = []
-            for stages in INT8_DECODE_STAGES[geo[2]]:
-                config = pf_cuda.native_int8_config(geo[2], torch.device("cuda"), stages)
-                for n in ((4, 6, 8, 16) if batch == 8 else (1, 2, 3, 4)):
-                    us = bench(lambda n=n, c=config, cs=case: _pf_call(
-                        cs, "int8_kv", config=c, splits=n, native=True), reps)
-                    line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
-            print(f"int8_kv {gname} B={batch} L={length}: Triton {triton_us:.1f} "
-                  f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
-                  + ", ".join(line) + f"; default {default.num_stages}/{auto}; contiguous "
-                  f"bf16 SDPA {contig_us:.1f}", flush=True)
+            for kind in kinds:
+                native = NATIVE_KIND[kind]
+                floor_us = case.bytes(kind) / bw * 1e6
+                triton_us = bench(lambda cs=case, k=kind: _pf_call(cs, k, native=False), reps)
+                default = pf_cuda.native_config(native, geo[2], device)
+                auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
+                                             pf_cuda._sm_count(device), default)
+                line = []
+                for stages in DECODE_STAGES[native][geo[2]]:
+                    config = pf_cuda.native_config(native, geo[2], device, stages)
+                    for n in ((4, 6, 8, 16) if batch == 8 else (1, 2, 3, 4)):
+                        us = bench(lambda n=n, c=config, cs=case, k=kind: _pf_call(
+                            cs, k, config=c, splits=n, native=True), reps)
+                        line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
+                print(f"{kind} {gname} B={batch} L={length}: Triton {triton_us:.1f} "
+                      f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
+                      + ", ".join(line) + f"; default {default.num_stages}/{auto}; "
+                      f"contiguous bf16 SDPA {contig_us:.1f}", flush=True)
             del case
             torch.cuda.empty_cache()
 
@@ -379,8 +391,9 @@ def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton bf16 and INT8 K tile
     configs ("tiles"), the bf16 split counts ("splits") or the block table's order
     ("locality")."""
-    if what == "native":
-        sweep_native(bw)
+    if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)
+        kinds = what.partition(":")[2]
+        sweep_native(bw, tuple(kinds.split(",")) if kinds else tuple(NATIVE_KIND))
         return
     if what == "locality":
         sweep_locality(bw)
@@ -437,9 +450,9 @@ def split_check(bw: float) -> str:
     for gname, geo in GEOMETRIES.items():
         case = Case(geo, 64, 8192)
         for kind in ("bf16", "int8_kv", "int8_k"):
-            native = kind == "int8_kv" and _int8_kv_path() == "CUDA C++"
-            config = (pf_cuda.native_int8_config(geo[2], torch.device("cuda")) if native
-                      else pf_cuda.launch_config(kind != "bf16"))
+            native = _native_path(kind) == "CUDA C++"
+            config = (pf_cuda.native_config(NATIVE_KIND[kind], geo[2], torch.device("cuda"))
+                      if native else pf_cuda.launch_config(kind != "bf16"))
             auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
                                          pf_cuda._sm_count(torch.device("cuda")), config)
             times = {s: bench(lambda s=s, k=kind, cs=case: _pf_call(cs, k, splits=s), reps)
@@ -502,13 +515,17 @@ def _pf_call(case: Case, kind: str, config=None, splits=None, native=None) -> to
     return out
 
 
-def _int8_kv_path() -> str:
-    """Which kernel the INT8 K+V decode op runs here, and why not the CUDA C++ one."""
-    q = torch.empty(1, 8, 128, device="cuda", dtype=torch.bfloat16)
-    cache = torch.empty(1, 16, 2, 128, device="cuda", dtype=torch.int8)
-    scale = torch.empty(1, 16, 2, device="cuda")
+def _native_path(kind: str) -> str:
+    """Which kernel the op runs here for a q_len 1 call of this cache format (llama3_8b
+    shapes), and why not the CUDA C++ decode."""
+    q = torch.empty(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(1, 16, 8, 128, device="cuda",
+                    dtype=torch.bfloat16 if kind == "bf16" else torch.int8)
+    v = k if kind != "int8_k" else q.new_empty(k.shape)
+    scale = None if kind == "bf16" else torch.empty(1, 16, 8, device="cuda")
     table = torch.zeros(1, 1, device="cuda", dtype=torch.int32)
-    reason = pf_cuda.native_int8_reason(q, cache, cache, scale, scale, table, None, 1)
+    reason = pf_cuda.native_reason(q, k, v, scale, scale if kind == "int8_kv" else None,
+                                   table, None, 1)
     return "CUDA C++" if reason is None else f"Triton: {reason}"
 
 
@@ -516,8 +533,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown section here")
     parser.add_argument("--plot", help="write the bandwidth plot here")
-    parser.add_argument("--sweep", choices=("native", "tiles", "splits", "locality"),
-                        help="a tuning sweep instead of the table")
+    parser.add_argument("--sweep", help="a tuning sweep instead of the table: native (or "
+                        "native:bf16,int8_k,... for some cache formats), tiles, splits or "
+                        "locality")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     args = parser.parse_args()
     torch.manual_seed(0)

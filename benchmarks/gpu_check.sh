@@ -44,7 +44,7 @@ fi
 grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -12
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch; from pagedfuse.ops import cuda_native as n; \
-print('CUDA C++ INT8 decode available:', n.int8_decode_available(torch.device('cuda')))"
+print('CUDA C++ decode available:', n.decode_available(torch.device('cuda')))"
 
 run_tests() {  # $1: test paths
   timeout "$(limit 240)" $PY -m pytest -m cuda -q -p no:cacheprovider \
@@ -53,9 +53,9 @@ run_tests() {  # $1: test paths
 
 run_memcheck() {
   cat >/tmp/memcheck_cases.py <<'EOF'
-"""One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton and
-in CUDA C++, q_len > 1 with causal and a bias, quantize, out-of-range block ids) for
-compute-sanitizer."""
+"""One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton; the
+CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias, quantize,
+out-of-range block ids) for compute-sanitizer."""
 import sys
 import torch
 sys.path.insert(0, "tests")
@@ -73,6 +73,12 @@ cases = [
      dict(native=True, max_query_len=1, splits=3)),
     (dict(batch=2, hq=10, hkv=2, d=128, kv_int8="kv", page=256, index=torch.int64),
      dict(native=True, max_query_len=1)),
+    (dict(batch=3, hq=24, hkv=4, d=256, seq_lens=[1, 17, 300]),
+     dict(native=True, max_query_len=1, splits=3)),
+    (dict(batch=2, hq=32, hkv=4, d=64, kv_int8="k", page=1, dtype=torch.float16),
+     dict(native=True, max_query_len=1)),
+    (dict(batch=2, hq=10, hkv=2, d=128, kv_int8="k", hnd=True, seq_lens=[129, 64]),
+     dict(native=True, max_query_len=1, splits=2)),
     (dict(batch=2, hq=8, hkv=2, d=128, q_lens=[5, 3], causal=True, seq_lens=[40, 20],
           bias=torch.rand(2, 1, 5, 40, device="cuda") > 0.3), dict(splits=2)),
 ]

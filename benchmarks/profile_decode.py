@@ -1,7 +1,7 @@
 """One decode method on one benchmark case, called a few times: a target for Nsight Compute.
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
-        -k regex:int8_decode --launch-skip 2 --launch-count 1 \\
+        -k regex:paged_decode --launch-skip 2 --launch-count 1 \\
         python benchmarks/profile_decode.py --geo llama3_8b --batch 64 --length 8192 \\
         --kind int8_kv
 """

@@ -1,5 +1,5 @@
-"""GPU tests of the CUDA kernels (pagedfuse/ops/cuda.py: Triton, and the CUDA C++ INT8
-decode of csrc/cuda) against the float64 reference.
+"""GPU tests of the CUDA kernels (pagedfuse/ops/cuda.py: Triton, and the CUDA C++ decode
+of csrc/cuda) against the float64 reference.
 
 Each case is one kernel specialisation (every new constexpr combination compiles), so the
 grid is a hand-picked list that covers each axis (head_dim, GQA ratio, page size, layout,
@@ -239,9 +239,10 @@ def test_int8_matches_reference(name, native):
     assert cosine(out, reference(case, unquantized=True)) > 0.995
 
 
-# The CUDA C++ INT8 K+V decode: every head_dim, GQA 1/4/5/6/8, pages 1/16/256, NHD and
-# HND, int32/int64 indices (mixed too), bf16/fp16, B 1 to 64, lengths off the page and the
-# 32-token tile, and split counts that leave some splits and warps without keys.
+# The CUDA C++ decode, for each cache kind (INT8 K+V, INT8 K + 16-bit V, 16-bit K+V): every
+# head_dim, GQA 1/4/5/6/8, pages 1/16/256, NHD and HND, int32/int64 indices (mixed too),
+# bf16/fp16, B 1 to 64, lengths off the page and the warp tiles, and split counts that leave
+# some splits and warps without keys.
 NATIVE_CASES = {
     "d128-gqa4-b8": dict(batch=8, hq=32, hkv=8, d=128),
     "d64-gqa8-page1": dict(batch=4, hq=32, hkv=4, d=64, page=1),
@@ -250,35 +251,44 @@ NATIVE_CASES = {
                                          index=torch.int64, dtype=torch.float16),
     "d64-gqa1-b64": dict(batch=64, hq=4, hkv=4, d=64),
     "d256-gqa8-b1-short": dict(batch=1, hq=16, hkv=2, d=256, seq_lens=[7]),
-    "d128-gqa4-lengths": dict(batch=5, hq=8, hkv=2, d=128, seq_lens=[1, 31, 32, 33, 129]),
+    "d128-gqa4-lengths": dict(batch=7, hq=8, hkv=2, d=128,
+                              seq_lens=[1, 15, 16, 17, 31, 33, 129]),
 }
+KINDS = {"int8_kv": "kv", "int8_k": "k", "half": None}  # cuda_native kind -> make_case's
 
 
+def _native_tol(case: dict) -> float:
+    """INT8 K+V also quantizes P per row (the int8 P·V); the rest round P to 16 bits."""
+    return 3e-2 if case["value_scale"] is not None else TOL[case["query"].dtype]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("splits", [None, 1, 3, 16])
 @pytest.mark.parametrize("name", list(NATIVE_CASES))
-def test_native_int8_decode_matches_reference(name, splits):
-    case = make_case(kv_int8="kv", **NATIVE_CASES[name])
+def test_native_decode_matches_reference(name, splits, kind):
+    case = make_case(kv_int8=KINDS[kind], **NATIVE_CASES[name])
     out = run_kernel(case, max_query_len=1, splits=splits, native=True)
-    assert rel_err(out, reference(case)) < 3e-2
+    assert rel_err(out, reference(case)) < _native_tol(case)
     assert cosine(out, reference(case, unquantized=True)) > 0.995
 
 
-@pytest.mark.parametrize(("d", "stages"), [
-    (d, s) for d, depths in cuda_native.INT8_DECODE_STAGES.items() for s in depths])
-def test_native_int8_decode_every_pipeline_depth(d, stages):
+@pytest.mark.parametrize(("kind", "d", "stages"), [
+    (kind, d, s) for kind, dims in cuda_native.DECODE_STAGES.items()
+    for d, depths in dims.items() for s in depths])
+def test_native_decode_every_pipeline_depth(kind, d, stages):
     """Every variant the Python table declares is built by the C++ launcher and right."""
     from pagedfuse.ops import cuda
 
-    case = make_case(batch=3, hq=12, hkv=2, d=d, kv_int8="kv", seq_lens=[700, 45, 300])
-    config = cuda.native_int8_config(d, torch.device("cuda"), stages)
+    case = make_case(batch=3, hq=12, hkv=2, d=d, kv_int8=KINDS[kind], seq_lens=[700, 45, 300])
+    config = cuda.native_config(kind, d, torch.device("cuda"), stages)
     out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
-    assert rel_err(out, reference(case)) < 3e-2
+    assert rel_err(out, reference(case)) < _native_tol(case)
 
 
 def _rising_keys(case: dict, rate: float) -> None:
     """Adds rate * p * (the group's mean query direction) to the key at position p of each
-    sequence and requantizes K: the scores climb along the sequence, so the running max
-    moves again and again after the first tile (the kernel's lazy rescale path)."""
+    sequence (requantized where K is int8): the scores climb along the sequence, so the
+    running max moves again and again after the first tile (the kernel's lazy rescale)."""
     k_float = case["unquantized"][0]
     page, hkv = k_float.shape[1], k_float.shape[2]
     query, table = case["query"].float().cpu(), case["block_table"].cpu().long()
@@ -287,41 +297,60 @@ def _rising_keys(case: dict, rate: float) -> None:
         direction = direction / direction.norm(dim=-1, keepdim=True)
         pos = torch.arange(n)
         k_float[table[b, pos // page], pos % page] += rate * pos[:, None, None] * direction
-    key, k_scale = quantize_int8_reference(k_float)
-    case["key_cache"], case["key_scale"] = key.cuda(), k_scale.cuda()
+    if case["key_scale"] is None:
+        case["key_cache"] = k_float.to(case["query"].dtype).cuda()
+    else:
+        key, k_scale = quantize_int8_reference(k_float)
+        case["key_cache"], case["key_scale"] = key.cuda(), k_scale.cuda()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("splits", [1, 3])
-def test_native_int8_decode_rising_scores(splits):
-    case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8="kv", seq_lens=[900, 613])
+def test_native_decode_rising_scores(splits, kind):
+    case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8=KINDS[kind], seq_lens=[900, 613])
     _rising_keys(case, rate=0.1)
     out = run_kernel(case, max_query_len=1, splits=splits, native=True)
-    assert rel_err(out, reference(case)) < 3e-2
+    assert rel_err(out, reference(case)) < _native_tol(case)
 
 
-def test_native_int8_decode_mixed_index_dtypes():
+def test_native_decode_mixed_index_dtypes():
     case = make_case(batch=3, hq=8, hkv=2, d=64, kv_int8="kv")
     case["seq_lens"] = case["seq_lens"].long()  # table and starts stay int32
     assert rel_err(run_kernel(case, max_query_len=1, native=True), reference(case)) < 3e-2
 
 
-def test_native_int8_decode_is_built_and_chosen():
-    """On a GPU machine setup.py builds the CUDA C++ library and an INT8 K+V decode call
+def test_native_half_decode_copies_a_query_it_cannot_read_in_place():
+    """The 16-bit kind reads the query itself, so rows must be head-contiguous and 16-byte
+    aligned; a strided or offset query is copied first (and the result is the same)."""
+    case = make_case(batch=3, hq=8, hkv=2, d=128, seq_lens=[300, 45, 129])
+    ref = reference(case)
+    wide = torch.zeros(3, 8, 136, device="cuda", dtype=torch.bfloat16)
+    wide[..., 1:129] = case["query"]
+    case["query"] = wide[..., 1:129]  # 2-byte offset, row stride 136
+    assert not cuda_native.aligned_rows(case["query"])
+    assert rel_err(run_kernel(case, max_query_len=1, native=True), ref) < TOL[torch.bfloat16]
+
+
+def test_native_decode_is_built_and_chosen():
+    """On a GPU machine setup.py builds the CUDA C++ library and a decode call of each kind
     qualifies for it; calls that cannot take it say why (they run the Triton kernel)."""
     from pagedfuse.ops import cuda
 
-    assert cuda_native.int8_decode_available(torch.device("cuda")), \
+    assert cuda_native.decode_available(torch.device("cuda")), \
         "pagedfuse._cuda_kernels is not built (pip install -e . with nvcc on PATH)"
     case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8="kv")
     q, k, v = case["query"], case["key_cache"], case["value_cache"]
     scales = case["key_scale"], case["value_scale"], case["block_table"]
 
-    def reason(q, k, v, max_query_len=1):
-        return cuda.native_int8_reason(q, k, v, *scales, None, max_query_len)
+    def reason(q, k, v, max_query_len=1, bias=None):
+        return cuda.native_reason(q, k, v, *scales, bias, max_query_len)
 
     assert reason(q, k, v) is None
     assert reason(q, k, v, 4) == "more than one query token per sequence"
-    assert reason(q, k, v.to(torch.bfloat16)) == "value cache is not int8"
+    assert reason(q, k, v, bias=torch.zeros(1, device="cuda")) == "attn_bias"
+    assert reason(q, k, v.to(torch.bfloat16)) is None  # INT8 K + bf16 V
+    assert reason(q, q.new_empty(k.shape), q.new_empty(k.shape)) is None  # bf16 K and V
+    assert reason(q.float(), k, v) == "query dtype torch.float32 (bfloat16 or float16 only)"
     wide = torch.empty(1, 16, 1, 128, device="cuda", dtype=torch.int8)
     q16 = torch.empty(1, 16, 128, device="cuda", dtype=torch.bfloat16)
     assert "query heads per KV head" in reason(q16, wide, wide)
@@ -367,7 +396,7 @@ def test_out_of_range_block_ids_are_clamped(kv_int8):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kv_int8", [None, "kv"])
+@pytest.mark.parametrize("kv_int8", [None, "k", "kv"])
 def test_cuda_graph_replays_are_identical(kv_int8):
     case = make_case(batch=4, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 1500],
                      kv_int8=kv_int8)
@@ -378,6 +407,7 @@ def test_cuda_graph_replays_are_identical(kv_int8):
     if not kv_int8:
         names.remove("key_scale")
         names.remove("value_scale")
+
     args = [case[k] for k in names]
     call = lambda: op(*args, case["scale"], False, None, 3000, 1)
     eager = call()

@@ -9,12 +9,15 @@ import torch
 
 from pagedfuse.ops import cuda_native
 
+NOT_BUILT = "pagedfuse._cuda_kernels not built for this device"
 
-def _args(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0, cache=None, scale=None):
+
+def _args(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0, cache=None, scale=None,
+          cache_dtype=torch.int8):
     query = torch.zeros(3, hq, d, dtype=dtype)
     if cache is None:
-        cache = torch.zeros(4, 16, hkv, d + row_pad, dtype=torch.int8)[..., :d]
-    if scale is None:
+        cache = torch.zeros(4, 16, hkv, d + row_pad, dtype=cache_dtype)[..., :d]
+    if scale is None and cache.dtype == torch.int8:
         scale = torch.zeros(cache.shape[:3])
     table = torch.zeros(3, 5, dtype=torch.int32)
     return query, cache, cache, scale, scale, table, hq // hkv
@@ -26,9 +29,9 @@ def _spread(shape, strides, dtype):
 
 
 def test_cpu_tensors_never_take_the_cuda_library():
-    assert not cuda_native.int8_decode_available(torch.device("cpu"))
-    assert cuda_native.int8_decode_unsupported(*_args()) == \
-        "pagedfuse._cuda_kernels not built for this device"
+    assert not cuda_native.decode_available(torch.device("cpu"))
+    assert cuda_native.decode_unsupported(*_args()) == NOT_BUILT
+    assert cuda_native.decode_unsupported(*_args(cache_dtype=torch.bfloat16)) == NOT_BUILT
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
@@ -36,20 +39,41 @@ def test_cpu_tensors_never_take_the_cuda_library():
     (dict(d=96), "head_dim 96"),
     (dict(hq=32, hkv=2), "16 query heads per KV head (at most 8)"),
     (dict(row_pad=8), "cache rows not 16-byte aligned"),
+    (dict(row_pad=4, cache_dtype=torch.bfloat16), "cache rows not 16-byte aligned"),
     # 2^32 16-byte units: the first K/V offset the kernel's 32-bit arithmetic cannot hold
     (dict(cache=_spread((2, 16, 2, 128), (2**36, 256, 128, 1), torch.int8)),
+     "cache or table offsets beyond 32 bits"),
+    (dict(cache=_spread((2, 16, 2, 128), (2**35, 256, 128, 1), torch.bfloat16)),
      "cache or table offsets beyond 32 bits"),
     (dict(scale=_spread((2, 16, 2), (2**32, 2, 1), torch.float32)),
      "cache or table offsets beyond 32 bits"),
 ])
 def test_unsupported_calls_say_why(kwargs, reason):
-    assert cuda_native.int8_decode_unsupported(*_args(**kwargs)) == reason
+    assert cuda_native.decode_unsupported(*_args(**kwargs)) == reason
 
 
-def test_the_offset_limit_is_exact():
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_the_offset_limit_is_exact(dtype):
     """The last 16-byte unit a 32-bit offset reaches passes the offset check (this machine
-    then lacks the library), one more does not."""
-    for stride, reason in ((2**36 - 16, "pagedfuse._cuda_kernels not built for this device"),
+    then lacks the library), one more does not: in bytes, whatever the element size."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    for stride, reason in ((2**36 - 16, NOT_BUILT),
                            (2**36, "cache or table offsets beyond 32 bits")):
-        cache = _spread((2, 1, 2, 128), (stride, 256, 128, 1), torch.int8)
-        assert cuda_native.int8_decode_unsupported(*_args(cache=cache)) == reason
+        cache = _spread((2, 1, 2, 128), (stride // size, 256, 128, 1), dtype)
+        assert cuda_native.decode_unsupported(*_args(cache=cache)) == reason
+
+
+def test_kind_follows_the_cache_dtypes():
+    i8, bf16 = torch.zeros(1, dtype=torch.int8), torch.zeros(1, dtype=torch.bfloat16)
+    assert cuda_native.kind_of(i8, i8) == "int8_kv"
+    assert cuda_native.kind_of(i8, bf16) == "int8_k"
+    assert cuda_native.kind_of(bf16, bf16) == "half"
+    assert set(cuda_native.DECODE_STAGES) == set(cuda_native.KINDS)
+
+
+def test_query_rows_read_in_place_only_when_aligned():
+    base = torch.zeros(4, 8, 136, dtype=torch.bfloat16)
+    assert cuda_native.aligned_rows(torch.zeros(4, 8, 128, dtype=torch.bfloat16))
+    assert not cuda_native.aligned_rows(base[..., :128])  # heads not contiguous
+    assert not cuda_native.aligned_rows(base.view(-1)[1:1 + 4 * 8 * 128].view(4, 8, 128))
+    assert not cuda_native.aligned_rows(torch.zeros(4, 8, 128).transpose(0, 1))

@@ -1,4 +1,4 @@
-"""CUDA kernels of the pagedfuse ops: Triton launches, and the CUDA C++ INT8 K+V decode
+"""CUDA kernels of the pagedfuse ops: Triton launches, and the CUDA C++ decode
 (cuda_native.py) where it applies; registered at import.
 
 Everything the launch needs comes from shapes, strides and the optional int hints, never
@@ -46,36 +46,38 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 
 
-NATIVE_INT8_STAGES = {64: 0, 128: 2, 256: 0}
+# kind -> head_dim -> the CUDA C++ decode's default pipeline depth, the fastest on the H200
+# with the wave split rule (benchmarks/NOTES-gpu.md): 0 loads straight to registers.
+NATIVE_STAGES = {
+    "int8_kv": {64: 0, 128: 2, 256: 0},
+    "int8_k": {64: 0, 128: 2, 256: 2},
+    "half": {64: 2, 128: 2, 256: 0},
+}
 
 
-def native_int8_config(head_dim: int, device: torch.device,
-                       stages: int | None = None) -> LaunchConfig:
-    """The CUDA C++ INT8 K+V decode: a CTA of 4 warps steps 128 keys at a time (block_n, the
-    split heuristic's tile); num_stages is its pipeline depth, by default the fastest on the
-    H200 with the wave split rule (benchmarks/NOTES-gpu.md): 0 (loads straight to registers)
-    for head_dim 64 and 256, a 2-tile cp.async pipeline for 128; resident is the CUDA
-    occupancy of that variant."""
-    stages = NATIVE_INT8_STAGES[head_dim] if stages is None else stages
-    return LaunchConfig(128, 4, stages, resident=cuda_native.int8_decode_resident(
-        device, head_dim, stages))
+def native_config(kind: str, head_dim: int, device: torch.device,
+                  stages: int | None = None) -> LaunchConfig:
+    """The CUDA C++ decode: block_n is the keys a CTA steps over at a time (the split
+    heuristic's tile); num_stages is its pipeline depth, by default NATIVE_STAGES;
+    resident is the CUDA occupancy of that variant."""
+    stages = NATIVE_STAGES[kind][head_dim] if stages is None else stages
+    return LaunchConfig(cuda_native.cta_tokens(kind, head_dim), cuda_native.WARPS, stages,
+                        resident=cuda_native.decode_resident(device, kind, head_dim, stages))
 
 
-def native_int8_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       key_scale: torch.Tensor, value_scale: torch.Tensor | None,
-                       block_table: torch.Tensor, attn_bias: torch.Tensor | None,
-                       max_query_len: int | None) -> str | None:
-    """Why a call cannot take the CUDA C++ INT8 decode (None: it can): it needs INT8 K and
-    V, one query token per sequence and no bias, plus cuda_native's own conditions."""
-    if value_cache.dtype != torch.int8 or value_scale is None:
-        return "value cache is not int8"
+def native_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+                  block_table: torch.Tensor, attn_bias: torch.Tensor | None,
+                  max_query_len: int | None) -> str | None:
+    """Why a call cannot take the CUDA C++ decode (None: it can): it needs one query token
+    per sequence and no bias, plus cuda_native's own conditions."""
     if attn_bias is not None:
         return "attn_bias"
     if (max_query_len if max_query_len is not None else query.shape[0]) > 1:
         return "more than one query token per sequence"
     group = query.shape[1] // key_cache.shape[2]
-    return cuda_native.int8_decode_unsupported(query, key_cache, value_cache, key_scale,
-                                               value_scale, block_table, group)
+    return cuda_native.decode_unsupported(query, key_cache, value_cache, key_scale,
+                                          value_scale, block_table, group)
 
 
 @functools.cache
@@ -173,26 +175,29 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                          max_query_len: int | None, config: LaunchConfig | None = None,
                          splits: int | None = None, native: bool | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
-    (the benchmark's sweeps). ``native``: None takes the CUDA C++ INT8 decode where it
-    applies, False always the Triton kernel, True requires the CUDA C++ one."""
+    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode where it applies,
+    False always the Triton kernel, True requires the CUDA C++ one."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
+    kind = cuda_native.kind_of(key_cache, value_cache)
     if native is not False:
-        reason = (native_int8_reason(query, key_cache, value_cache, key_scale, value_scale,
-                                     block_table, attn_bias, max_query_len)
-                  if int8_k else "key cache is not int8")
+        reason = native_reason(query, key_cache, value_cache, key_scale, value_scale,
+                               block_table, attn_bias, max_query_len)
         if native and reason:
-            raise ValueError(f"the CUDA C++ INT8 decode cannot run this call: {reason}")
+            raise ValueError(f"the CUDA C++ decode cannot run this call: {reason}")
         native = reason is None
     context = max_seq_len if max_seq_len is not None else max_blocks * page
-    default = native_int8_config(head_dim, query.device) if native else launch_config(int8_k)
+    default = (native_config(kind, head_dim, query.device) if native
+               else launch_config(int8_k))
     plan = launch_plan(num_tokens, num_q_heads, num_kv_heads, head_dim, batch, context,
                        max_query_len, _sm_count(query.device), config or default)
     splits = plan.splits if splits is None else splits
     # Pointer slots a specialisation does not read get any tensor (Triton needs a pointer).
     q, q_scale = quantize_int8(query) if int8_k else (query, query)
+    if native and not int8_k and not cuda_native.aligned_rows(q):
+        q = query.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
     direct = splits == 1
     if direct:
         part_o = part_lse = out
@@ -201,10 +206,10 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         parts = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
         part_o, part_lse = parts[: rows * head_dim], parts[rows * head_dim:]
     if native:
-        cuda_native.int8_decode_into(out, q, q_scale, key_cache, value_cache, key_scale,
-                                     value_scale, block_table, seq_lens, query_start_loc,
-                                     scale * LOG2E, splits, plan.config.num_stages,
-                                     part_o, part_lse)
+        cuda_native.decode_into(out, q, q_scale if int8_k else None, key_cache, value_cache,
+                                key_scale, value_scale, block_table, seq_lens,
+                                query_start_loc, scale * LOG2E, splits,
+                                plan.config.num_stages, part_o, part_lse)
     else:
         _launch_triton(plan, splits, out, q, q_scale, key_cache, value_cache, key_scale,
                        value_scale, block_table, seq_lens, query_start_loc, scale, causal,

@@ -16,17 +16,25 @@ import math
 import torch
 
 LIBRARY = "pagedfuse._cuda_kernels"
-# head_dim -> the pipeline depths built in csrc/cuda/int8_decode.cu (0: no pipeline, loads
-# straight to registers); the launcher's switch lists the same pairs.
-INT8_DECODE_STAGES = {64: (0, 2), 128: (0, 2, 3), 256: (0, 2)}
-INT8_DECODE_MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
-ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 V)
+# What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
+# INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
+KINDS = ("int8_kv", "int8_k", "half")
+# kind -> head_dim -> the pipeline depths built (0: no pipeline, loads straight to
+# registers); the launcher's switch lists the same.
+DECODE_STAGES = {
+    "int8_kv": {64: (0, 2), 128: (0, 2, 3), 256: (0, 2)},
+    "int8_k": {64: (0, 2), 128: (0, 2), 256: (0, 2)},
+    "half": {64: (0, 2), 128: (0, 2), 256: (0, 2)},
+}
+MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
+WARPS = 4  # per CTA, each on its own tiles
+ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 INT8 V)
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_INT8_DECODE_ARGTYPES = [
-    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int,  # device, stream, dtype codes
+_DECODE_ARGTYPES = [
+    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # device, stream, codes
     ctypes.c_int, ctypes.c_int,  # head_dim, stages
     _I64, _I64, _I64,  # batch, KV heads, splits
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
@@ -45,100 +53,132 @@ def library() -> ctypes.CDLL | None:
     if spec is None or spec.origin is None:
         return None
     lib = ctypes.CDLL(spec.origin)
-    lib.pagedfuse_int8_decode.argtypes = _INT8_DECODE_ARGTYPES
-    lib.pagedfuse_int8_decode.restype = ctypes.c_int
-    lib.pagedfuse_int8_decode_probe.argtypes = [ctypes.c_int]
-    lib.pagedfuse_int8_decode_occupancy.argtypes = [ctypes.c_int] * 3 + [
+    lib.pagedfuse_decode.argtypes = _DECODE_ARGTYPES
+    lib.pagedfuse_decode.restype = ctypes.c_int
+    lib.pagedfuse_decode_probe.argtypes = [ctypes.c_int]
+    lib.pagedfuse_decode_occupancy.argtypes = [ctypes.c_int] * 4 + [
         ctypes.POINTER(ctypes.c_int)]
     lib.pagedfuse_cuda_error_string.argtypes = [ctypes.c_int]
     lib.pagedfuse_cuda_error_string.restype = ctypes.c_char_p
     return lib
 
 
+def kind_of(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    """The KINDS entry of a (key, value) cache pair."""
+    if key_cache.dtype != torch.int8:
+        return "half"
+    return "int8_kv" if value_cache.dtype == torch.int8 else "int8_k"
+
+
+def cta_tokens(kind: str, head_dim: int) -> int:
+    """Keys a CTA steps over at a time (its 4 warps' tiles; the kernel's Traits): split
+    chunks are multiples of it."""
+    return WARPS * (32 if kind == "int8_kv" or head_dim == 64 else 16)
+
+
 @functools.cache
-def int8_decode_available(device: torch.device) -> bool:
+def decode_available(device: torch.device) -> bool:
     """Whether the library is built with code this device runs (sm_80 or newer)."""
     lib = library()
     if lib is None or device.type != "cuda":
         return False
-    return lib.pagedfuse_int8_decode_probe(_index(device)) == 0
+    return lib.pagedfuse_decode_probe(_index(device)) == 0
 
 
 @functools.cache
-def int8_decode_resident(device: torch.device, head_dim: int, stages: int) -> int:
+def decode_resident(device: torch.device, kind: str, head_dim: int, stages: int) -> int:
     """CTAs of that kernel variant that fit on one multiprocessor at once."""
     lib = library()
     resident = ctypes.c_int(0)
-    err = lib.pagedfuse_int8_decode_occupancy(_index(device), head_dim, stages,
-                                              ctypes.byref(resident))
+    err = lib.pagedfuse_decode_occupancy(_index(device), KINDS.index(kind), head_dim, stages,
+                                         ctypes.byref(resident))
     if err:
-        raise RuntimeError(f"pagedfuse int8 decode occupancy query failed: "
+        raise RuntimeError(f"pagedfuse decode occupancy query failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")
     return resident.value
 
 
 def _token_span(t: torch.Tensor) -> int:
-    """Elements from a tensor's start to its last (block, token) row: the largest per-token
+    """Bytes from a tensor's start to its last (block, token) row: the largest per-token
     offset the kernel computes (the head's offset is added in 64 bits)."""
-    return sum((n - 1) * st for n, st in zip(t.shape[:2], t.stride()[:2], strict=True))
+    return t.element_size() * sum(
+        (n - 1) * st for n, st in zip(t.shape[:2], t.stride()[:2], strict=True))
 
 
-def int8_decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
-                            value_cache: torch.Tensor, key_scale: torch.Tensor,
-                            value_scale: torch.Tensor, block_table: torch.Tensor,
-                            group: int) -> str | None:
-    """Why the CUDA C++ INT8 decode cannot take this call (None: it can). The caller has
-    already checked decode (q_len <= 1), no bias and an int8 value cache."""
+def decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, key_scale: torch.Tensor | None,
+                       value_scale: torch.Tensor | None, block_table: torch.Tensor,
+                       group: int) -> str | None:
+    """Why the CUDA C++ decode cannot take this call (None: it can). The caller has already
+    checked decode (q_len <= 1) and no bias; check_metadata, that the dtypes pair up (a
+    16-bit cache has the query's dtype, a scale goes with each int8 cache)."""
     if query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {query.dtype} (bfloat16 or float16 only)"
-    if query.shape[-1] not in INT8_DECODE_STAGES:
+    if query.shape[-1] not in DECODE_STAGES["half"]:
         return f"head_dim {query.shape[-1]}"
-    if group > INT8_DECODE_MAX_GROUP:
-        return f"{group} query heads per KV head (at most {INT8_DECODE_MAX_GROUP})"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (at most {MAX_GROUP})"
     for cache in (key_cache, value_cache):
+        size = cache.element_size()
         if cache.stride(3) != 1 or cache.data_ptr() % ALIGN or any(
-                s % ALIGN for s in cache.stride()[:3]):
+                s * size % ALIGN for s in cache.stride()[:3]):
             return "cache rows not 16-byte aligned"
     # Per-token offsets are 32-bit in the kernel: K/V rows in 16-byte units (64 GiB), scales
     # and table entries in elements.
+    scales = [s for s in (key_scale, value_scale) if s is not None]
     if max(_token_span(key_cache), _token_span(value_cache)) >= OFFSET_LIMIT * ALIGN or max(
-            _token_span(key_scale), _token_span(value_scale),
-            (block_table.shape[1] - 1) * block_table.stride(1)) >= OFFSET_LIMIT:
+            [_token_span(s) // s.element_size() for s in scales]
+            + [(block_table.shape[1] - 1) * block_table.stride(1)]) >= OFFSET_LIMIT:
         return "cache or table offsets beyond 32 bits"
-    if not int8_decode_available(query.device):
+    if not decode_available(query.device):
         return "pagedfuse._cuda_kernels not built for this device"
     return None
 
 
-def int8_decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor,
-                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     key_scale: torch.Tensor, value_scale: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale_log2: float, splits: int,
-                     stages: int, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Launch the INT8 K+V decode: ``q``/``q_scale`` from quantize_int8 (contiguous), ``out``
-    contiguous; with ``splits`` > 1 it writes ``part_o``/``part_lse`` for the combine kernel.
-    ``stages``: one of INT8_DECODE_STAGES[head_dim]."""
+def aligned_rows(q: torch.Tensor) -> bool:
+    """Whether the kernel can read ``q`` [T, H, D] in place: head-contiguous 16-byte rows."""
+    size = q.element_size()
+    return (q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.data_ptr() % ALIGN == 0
+            and q.stride(0) * size % ALIGN == 0)
+
+
+def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
+                block_table: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, scale_log2: float, splits: int, stages: int,
+                part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
+    else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
+    writes ``part_o``/``part_lse`` for the combine kernel. ``stages``: one of
+    DECODE_STAGES[kind][head_dim]."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
     sizes = (_I64 * 7)(num_tokens, num_q_heads, num_q_heads // num_kv_heads, num_blocks,
                        max_blocks, page, shift)
-    strides = (_I64 * 15)(q.stride(0), *key_cache.stride()[:3], *value_cache.stride()[:3],
-                          *key_scale.stride(), *value_scale.stride(), *block_table.stride())
+    no_scale = (0, 0, 0)
+    strides = (_I64 * 15)(
+        q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
+        *(s * value_cache.element_size() for s in value_cache.stride()[:3]),
+        *(key_scale.stride() if key_scale is not None else no_scale),
+        *(value_scale.stride() if value_scale is not None else no_scale),
+        *block_table.stride())
+    # Pointer slots the kind does not read get any tensor's.
+    tensors = (q, q_scale, key_cache, value_cache, key_scale, value_scale, block_table,
+               seq_lens, query_start_loc, out, part_o, part_lse)
     lib = library()
-    err = lib.pagedfuse_int8_decode(
+    err = lib.pagedfuse_decode(
         _index(out.device), torch.cuda.current_stream(out.device).cuda_stream,
+        KINDS.index(kind_of(key_cache, value_cache)),
         0 if out.dtype == torch.bfloat16 else 1,
         sum(1 << i for i, t in enumerate((block_table, seq_lens, query_start_loc))
             if t.dtype == torch.int64),
         head_dim, stages,
         batch, num_kv_heads, splits,
-        *(t.data_ptr() for t in (q, q_scale, key_cache, value_cache, key_scale, value_scale,
-                                 block_table, seq_lens, query_start_loc, out, part_o,
-                                 part_lse)),
+        *((t if t is not None else out).data_ptr() for t in tensors),
         scale_log2, sizes, strides)
     if err:
-        raise RuntimeError(f"pagedfuse int8 decode launch failed: "
+        raise RuntimeError(f"pagedfuse decode launch failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")

@@ -1,23 +1,29 @@
-// INT8 K + INT8 V paged decode on the tensor cores (sm_80+, tuned on sm_90): the CUDA C++
-// path of torch.ops.pagedfuse.paged_attention_int8 for q_len = 1 (see pagedfuse/ops/cuda.py
-// for when it is chosen; every other case runs the Triton kernel).
+// Paged decode on the tensor cores (sm_80+, tuned on sm_90): the CUDA C++ path of
+// torch.ops.pagedfuse.paged_attention and paged_attention_int8 for q_len = 1 (see
+// pagedfuse/ops/cuda.py for when it is chosen; every other case runs the Triton kernel).
+// One kernel serves three caches (Kind): INT8 K and V, INT8 K with 16-bit V, and 16-bit K
+// and V (bf16 or fp16, the query's dtype).
 //
 // Why C++: the 8-bit MMA needs its reduction dim contiguous in each operand. For Q·K^T that
 // is head_dim, which K rows already are. For P·V it is the token dim, while V rows are
 // head_dim-contiguous and ldmatrix.trans moves 16-bit elements only, so Triton transposes
 // the V tile byte by byte through shared memory. Here each thread reads 16-byte rows of V
 // into registers and transposes 4x4 byte blocks with __byte_perm (8 PRMT per 16 bytes): V is
-// never moved or converted element by element.
+// never moved or converted element by element. 16-bit V pairs two tokens' halves with one
+// PRMT per word, and the 16-bit kinds share the INT8 kernel's tuned skeleton (block-table
+// reads, pipeline, lazy softmax, merge) instead of Triton's.
 //
 // Work split: one CTA of 4 warps per (KV head, sequence, split), heads fastest, so the CTAs
 // that run together read the neighbouring heads of the same token rows (on the H200 3-8%
-// faster for llama3_8b at B=64 than sequences fastest); each warp walks its own 32-token
-// tiles with its own online softmax, and the CTA merges the 4 warps at the end.
-// Each warp streams its tiles through a cp.async pipeline in shared memory (2-3 tiles in
-// flight while it computes one), so the bytes in flight do not cost registers. The
-// query heads of the group are the N = 8 columns of both MMAs (mma.m16n8k32.s8):
-//   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = 32 dims
-//   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = 32 tokens
+// faster for llama3_8b at B=64 than sequences fastest); each warp walks its own tiles of
+// kTile tokens (32 with INT8 V, 16 with 16-bit V: the P·V MMA's K, and the same bytes per
+// tile either way) with its own online softmax, and the CTA merges the 4 warps at the end.
+// Each warp streams its tiles through a cp.async pipeline in shared memory (1-2 tiles in
+// flight while it computes one), or loads them straight into registers (stages 0). The
+// query heads of the group are the N = 8 columns of both MMAs (m16n8k32.s8 for 8-bit
+// operands, m16n8k16 for 16-bit ones):
+//   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = head dims
+//   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes are free to permute, which picks the fragments so every operand is a
 // plain vector load from the staged tile: thread (g = lane / 4, t = lane % 4) reads K tokens
 // g + 8j, dims [t D/4, (t+1) D/4), and V tokens {4t..4t+3, 16+4t..16+4t+3}, dims
@@ -27,18 +33,22 @@
 //
 // INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
 // int8 (round half away from zero, like the Triton kernel), and the int32 result is scaled
-// back into the fp32 accumulator. Scores are q_scale * k_scale * softmax scale * log2(e)
-// times the int32 dot, then an exp2 online softmax.
+// back into the fp32 accumulator. 16-bit P·V: P is rounded to V's dtype (as FlashAttention
+// does) and the MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
+// softmax scale * log2(e) times the dot (INT8 K), or softmax scale * log2(e) times it, then
+// an exp2 online softmax.
 //
 // The online softmax rescales lazily: the running max moves only when a tile's max exceeds it
-// by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32 and for the per-tile P
-// quantization), so most tiles skip the O rescale, and the branch is warp-uniform.
+// by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32, bf16 and fp16 and for
+// the per-tile P quantization), so most tiles skip the O rescale, and the branch is
+// warp-uniform.
 //
 // Instructions per tile bound this kernel: with 2-3 warps per scheduler there is little else
 // to issue while one waits. So per-token addressing is 32-bit: each lane locates its own
 // token once per tile (one block-table read) and the row offsets travel by shuffle, in
 // 16-byte units (the host checks they fit 32 bits). Nsight Compute on the H200, llama3_8b
-// B=64 L=8192, with the heads-first order: 306 -> 283 us, 78% -> 82% of peak DRAM throughput.
+// B=64 L=8192, INT8 K+V, with the heads-first order: 306 -> 283 us, 78% -> 82% of peak DRAM
+// throughput.
 //
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
 // values (unchecked on the GPU) never move a read outside the cache, the table or the query.
@@ -48,21 +58,35 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kTile = 32;                  // tokens per warp step (the P·V MMA's K)
-constexpr int kCtaTokens = kWarps * kTile;  // split chunks are multiples of this
-constexpr int kHeads = 8;                  // the MMA's N: query heads per KV head, at most
-constexpr float kLazyMax = 8.f;            // log2 units the running max may lag behind
+constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
+constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
+
+// What the cache holds; the codes are the C ABI's (cuda_native.KINDS lists them in order).
+enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
+
+// Bytes per K and V element, and the tokens of a warp's tile: 32 for INT8 V (its P·V MMA's
+// K), 16 for 16-bit V, 32 for 16-bit V at head_dim 64 (two MMA K steps; on the H200 4% faster
+// for bf16 and 10% for INT8 K at B=64 than 16; for INT8 V 64 measured no faster than 32).
+// cuda_native.cta_tokens mirrors this.
+template <int KIND, int D>
+struct Traits {
+  static constexpr int kb = KIND == kHalf ? 2 : 1;
+  static constexpr int vb = KIND == kInt8KV ? 1 : 2;
+  static constexpr int tile = KIND == kInt8KV || D == 64 ? 32 : 16;
+};
 
 struct Args {
-  const int8_t* q;        // [T, Hq, D] quantized query, row stride q_stride_t
-  const float* q_scale;   // [T, Hq] contiguous
-  const int8_t* k;
+  const void* q;          // [T, Hq, D], head-contiguous, row stride q_stride_t: int8 from
+                          // quantize_int8 (INT8 K) or the 16-bit query
+  const float* q_scale;   // [T, Hq] contiguous (INT8 K)
+  const int8_t* k;        // K/V caches, addressed in bytes
   const int8_t* v;
-  const float* k_scale;
+  const float* k_scale;   // INT8 K / INT8 V only
   const float* v_scale;
   const void* block_table;
   const void* seq_lens;
@@ -75,7 +99,7 @@ struct Args {
   int group, num_blocks, max_blocks, batch, num_kv_heads;
   int page, page_shift;   // page_shift: log2(page) for a power of two, else -1
   int index64;            // bits 0, 1, 2: block_table, seq_lens, query_start are int64
-  int64_t q_stride_t, k_sh, v_sh, ks_sh, vs_sh, bt_sb;  // per-CTA bases: 64-bit
+  int64_t q_stride_t, k_sh, v_sh, ks_sh, vs_sh, bt_sb;  // per-CTA bases: 64-bit (K/V bytes)
   uint32_t k_sb, k_st, v_sb, v_st;                       // per token: 16-byte units
   uint32_t ks_sb, ks_st, vs_sb, vs_st, bt_sn;            // per token: elements
 };
@@ -93,6 +117,26 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, ui
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 16-bit MMA (fp32 accumulators c0..c3, in the same fragment places as mma_s8's).
+template <typename E>
+__device__ __forceinline__ void mma_16(float& c0, float& c1, float& c2, float& c3, uint32_t a0,
+                                       uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
 }
 
 // Words w[0..3] hold 4 bytes (dims e = 0..3) of tokens 0..3; u[e] gets dim e of tokens 0..3.
@@ -136,8 +180,8 @@ __device__ __forceinline__ float warp_sum_over_g(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
-template <typename OutT>
-__device__ __forceinline__ OutT to_out(float x);
+template <typename E>
+__device__ __forceinline__ E to_out(float x);
 template <>
 __device__ __forceinline__ __nv_bfloat16 to_out(float x) { return __float2bfloat16_rn(x); }
 template <>
@@ -170,20 +214,21 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// One warp's tile in shared memory: 32 rows of K and of V, and their scales.
-template <int D>
+// One warp's tile in shared memory: the tile's rows of K and of V (bytes), and their scales.
+template <int D, int KIND>
 struct TileBuf {
-  int8_t k[kTile][D];
-  int8_t v[kTile][D];
-  float ks[kTile];
-  float vs[kTile];
+  using T = Traits<KIND, D>;
+  int8_t k[T::tile][D * T::kb];
+  int8_t v[T::tile][D * T::vb];
+  float ks[T::tile];
+  float vs[T::tile];
 };
 
 // Dynamic shared memory: the warps' pipelines (S stages each), reused for the merge of the
 // warps at the end.
-template <int D, int S>
+template <int D, int S, int KIND>
 __host__ __device__ constexpr size_t smem_bytes() {
-  const size_t pipeline = sizeof(TileBuf<D>) * S * kWarps;
+  const size_t pipeline = sizeof(TileBuf<D, KIND>) * S * kWarps;
   const size_t merge = sizeof(float) * kWarps * kHeads * D;
   return pipeline > merge ? pipeline : merge;
 }
@@ -192,27 +237,39 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // no pipeline, each thread loads its fragments of the tile straight from global memory into
 // registers at the tile's start (fewer warps fit, each with one tile in flight; loading the
 // next tile into the registers the last one freed measured slower on the H200, since the
-// registers it holds cost a CTA per SM).
-template <int D, int S, typename OutT>
+// registers it holds cost a CTA per SM). E: the output dtype, also the query's, and the
+// 16-bit cache's.
+template <int D, int S, int KIND, typename E>
 __global__ void __launch_bounds__(kWarps * 32)
-    int8_decode_kernel(const Args a) {
-  constexpr int KW = D / 16;  // K words per token per thread (dims [t D/4, (t+1) D/4))
-  constexpr int VW = D / 32;  // V words per token per thread (dims [g D/8, (g+1) D/8))
-  constexpr int VD = D / 8;   // output dims per thread
-  constexpr int CH = D / 16;  // 16-byte chunks per row
+    paged_decode_kernel(const Args a) {
+  using T = Traits<KIND, D>;
+  constexpr bool kK8 = KIND != kHalf, kV8 = KIND == kInt8KV;
+  constexpr int kTile = T::tile, kCtaTokens = kWarps * kTile;  // split chunks: multiples
+  constexpr int KR = D * T::kb / 4;  // K bytes per row per thread (dims [t D/4, (t+1) D/4))
+  constexpr int VR = D * T::vb / 8;  // V bytes per row per thread (dims [g D/8, (g+1) D/8))
+  constexpr int KW = KR / 4, VW = VR / 4;  // ... in words
+  constexpr int VD = D / 8;                // output dims per thread
+  constexpr int KCH = D * T::kb / 16, VCH = D * T::vb / 16;  // 16-byte chunks per row
+  constexpr int ROWS = kTile / 8;  // K rows per thread: tokens g + 8j
+  constexpr int VTOK = kTile / 4;  // V rows per thread: tokens v_token(s)
+  constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
+  using Buf = TileBuf<D, KIND>;
 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
-  __shared__ __align__(16) int8_t s_p[kWarps][kHeads][kTile];
+  // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes either way.
+  __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  // The tile's V rows of this thread: tokens 4t..4t+3 of each 16 (the P·V A fragments).
+  auto v_token = [&](int s) { return (s / 4) * 16 + 4 * t + s % 4; };
   const int kvh = static_cast<int>(blockIdx.x % a.num_kv_heads);
   const unsigned rest = blockIdx.x / a.num_kv_heads;
   const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
   const int splits = static_cast<int>(gridDim.x / (a.num_kv_heads * a.batch));
   const int group = a.group;
-  TileBuf<D>* bufs = reinterpret_cast<TileBuf<D>*>(smem) + warp * (S > 0 ? S : 1);
+  Buf* bufs = reinterpret_cast<Buf*>(smem) + warp * (S > 0 ? S : 1);
   const int8_t* k_head = a.k + kvh * a.k_sh;
   const int8_t* v_head = a.v + kvh * a.v_sh;
   const float* ks_head = a.k_scale + kvh * a.ks_sh;
@@ -237,17 +294,22 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t head0 = static_cast<int64_t>(kvh) * group;
   uint32_t qf[KW];
   if (g < group) {
-    load_words<D / 4, true>(a.q + token * a.q_stride_t + (head0 + g) * D + t * (D / 4), qf);
+    const int8_t* q_row = static_cast<const int8_t*>(a.q) +
+                          (token * a.q_stride_t + (head0 + g) * D) * T::kb;
+    load_words<KR, true>(q_row + t * KR, qf);
   } else {
 #pragma unroll
     for (int i = 0; i < KW; ++i) qf[i] = 0;
   }
-  float qs[2];  // q_scale * softmax scale of heads 2t, 2t+1 (0 for padding heads)
+  float qs[2];  // (q_scale *) softmax scale of heads 2t, 2t+1 (0 for padding heads)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    qs[h] = 2 * t + h < group
-                ? a.q_scale[token * a.num_q_heads + head0 + 2 * t + h] * a.scale_log2
-                : 0.f;
+    const bool real = 2 * t + h < group;
+    if constexpr (kK8) {
+      qs[h] = real ? a.q_scale[token * a.num_q_heads + head0 + 2 * t + h] * a.scale_log2 : 0.f;
+    } else {
+      qs[h] = real ? a.scale_log2 : 0.f;
+    }
   }
 
   const bool table64 = a.index64 & 1;
@@ -265,29 +327,33 @@ __global__ void __launch_bounds__(kWarps * 32)
     return {blk * a.k_sb + slot * a.k_st, blk * a.v_sb + slot * a.v_st,
             blk * a.ks_sb + slot * a.ks_st, blk * a.vs_sb + slot * a.vs_st};
   };
-  auto locate_lane = [&](int i) {  // lane L: token L of tile i
-    return locate(first + static_cast<int64_t>(i) * kCtaTokens + lane);
+  auto locate_lane = [&](int i) {  // lane L: token L of tile i (L mod kTile)
+    return locate(first + static_cast<int64_t>(i) * kCtaTokens + lane % kTile);
   };
   // Copies tile i into its stage: lane L fetches row L's scales; the K/V chunks go row-major
   // over the warp (consecutive lanes read consecutive 16 bytes of a row), each row's offset
   // shuffled from the lane that located it.
-  constexpr int RPC = 32 / CH;  // rows per copy instruction
-  const int8_t* k_col = k_head + (lane % CH) * 16;
-  const int8_t* v_col = v_head + (lane % CH) * 16;
+  const int8_t* k_col = k_head + (lane % KCH) * 16;
+  const int8_t* v_col = v_head + (lane % VCH) * 16;
   auto issue = [&](int i, TokenAt at) {
-    TileBuf<D>& buf = bufs[S > 0 ? i % S : 0];
-    cp_async4(&buf.ks[lane], ks_head + at.ks);
-    cp_async4(&buf.vs[lane], vs_head + at.vs);
+    Buf& buf = bufs[S > 0 ? i % S : 0];
+    if constexpr (kK8) {
+      if (lane < kTile) cp_async4(&buf.ks[lane], ks_head + at.ks);
+    }
+    if constexpr (kV8) cp_async4(&buf.vs[lane], vs_head + at.vs);
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int row = c * RPC + lane / CH, col = (lane % CH) * 16;
+    for (int c = 0; c < kTile * KCH / 32; ++c) {
+      const int row = c * (32 / KCH) + lane / KCH;
       const uint32_t k_row = __shfl_sync(0xffffffffu, at.k, row);
+      cp_async16(&buf.k[row][(lane % KCH) * 16], k_col + static_cast<size_t>(k_row) * 16);
+    }
+#pragma unroll
+    for (int c = 0; c < kTile * VCH / 32; ++c) {
+      const int row = c * (32 / VCH) + lane / VCH;
       const uint32_t v_row = __shfl_sync(0xffffffffu, at.v, row);
-      cp_async16(&buf.k[row][col], k_col + static_cast<size_t>(k_row) * 16);
-      cp_async16(&buf.v[row][col], v_col + static_cast<size_t>(v_row) * 16);
+      cp_async16(&buf.v[row][(lane % VCH) * 16], v_col + static_cast<size_t>(v_row) * 16);
     }
   };
-
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[2][VD];
 #pragma unroll
@@ -306,70 +372,82 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (num_tiles > 0) next_at = locate_lane(S - 1);  // else no table row to read
   }
 
-  int8_t* p_row = &s_p[warp][0][0];
+  unsigned char* p_row = s_p[warp];
   for (int i = 0; i < num_tiles; ++i) {
     const int64_t tile = first + static_cast<int64_t>(i) * kCtaTokens;
-    // K rows of tokens g + 8j, V rows of tokens 4t + s and 16 + 4t + s.
-    uint32_t kw[4][KW], vw[8][VW];
-    float ks[4], vs[4];
+    // K rows of tokens g + 8j, V rows of tokens v_token(s).
+    uint32_t kw[ROWS][KW], vw[VTOK][VW];
+    float ks[ROWS], vs[ROWS];  // 1 where the cache has no scales
     if constexpr (S > 0) {
       if (i + S - 1 < num_tiles) issue(i + S - 1, next_at);
       cp_async_commit();
       next_at = locate_lane(i + S);  // its latency hides behind this tile's math
       cp_async_wait<S - 1>();   // tile i has landed (this lane's copies) ...
       __syncwarp();             // ... and every lane's
-      const TileBuf<D>& buf = bufs[i % S];
+      const Buf& buf = bufs[i % S];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        load_words<D / 4, false>(&buf.k[g + 8 * j][t * (D / 4)], kw[j]);
-        ks[j] = buf.ks[g + 8 * j];
-        vs[j] = buf.vs[g + 8 * j];
+      for (int j = 0; j < ROWS; ++j) {
+        load_words<KR, false>(&buf.k[g + 8 * j][t * KR], kw[j]);
+        ks[j] = kK8 ? buf.ks[g + 8 * j] : 1.f;
+        vs[j] = kV8 ? buf.vs[g + 8 * j] : 1.f;
       }
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        load_words<D / 8, false>(&buf.v[s < 4 ? 4 * t + s : 12 + 4 * t + s][g * VD], vw[s]);
+      for (int s = 0; s < VTOK; ++s) {
+        load_words<VR, false>(&buf.v[v_token(s)][g * VR], vw[s]);
       }
     } else {  // each lane locates its own token; the rows' offsets and scales are shuffled
       const TokenAt mine = locate_lane(i);
-      const float ks_mine = ks_head[mine.ks], vs_mine = vs_head[mine.vs];
+      const float ks_mine = kK8 ? ks_head[mine.ks] : 1.f;
+      const float vs_mine = kV8 ? vs_head[mine.vs] : 1.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < ROWS; ++j) {
         const int src = g + 8 * j;
         const uint32_t k_row = __shfl_sync(0xffffffffu, mine.k, src);
-        load_words<D / 4, true>(k_head + static_cast<size_t>(k_row) * 16 + t * (D / 4), kw[j]);
-        ks[j] = __shfl_sync(0xffffffffu, ks_mine, src);
-        vs[j] = __shfl_sync(0xffffffffu, vs_mine, src);
+        load_words<KR, true>(k_head + static_cast<size_t>(k_row) * 16 + t * KR, kw[j]);
+        ks[j] = kK8 ? __shfl_sync(0xffffffffu, ks_mine, src) : 1.f;
+        vs[j] = kV8 ? __shfl_sync(0xffffffffu, vs_mine, src) : 1.f;
       }
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const uint32_t v_row =
-            __shfl_sync(0xffffffffu, mine.v, s < 4 ? 4 * t + s : 12 + 4 * t + s);
-        load_words<D / 8, true>(v_head + static_cast<size_t>(v_row) * 16 + g * VD, vw[s]);
+      for (int s = 0; s < VTOK; ++s) {
+        const uint32_t v_row = __shfl_sync(0xffffffffu, mine.v, v_token(s));
+        load_words<VR, true>(v_head + static_cast<size_t>(v_row) * 16 + g * VR, vw[s]);
       }
     }
 
     // S^T = K Q^T: m-tile mt holds tokens 16 mt + g (c0, c1) and 16 mt + g + 8 (c2, c3).
-    float sc[4][2];
+    float sc[ROWS][2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      int acc[4] = {0, 0, 0, 0};
+    for (int mt = 0; mt < ROWS / 2; ++mt) {
+      const uint32_t(&k0)[KW] = kw[2 * mt];
+      const uint32_t(&k1)[KW] = kw[2 * mt + 1];
+      if constexpr (kK8) {
+        int acc[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        mma_s8(acc, kw[2 * mt][2 * c], kw[2 * mt + 1][2 * c], kw[2 * mt][2 * c + 1],
-               kw[2 * mt + 1][2 * c + 1], qf[2 * c], qf[2 * c + 1]);
+        for (int c = 0; c < KW / 2; ++c) {
+          mma_s8(acc, k0[2 * c], k1[2 * c], k0[2 * c + 1], k1[2 * c + 1], qf[2 * c],
+                 qf[2 * c + 1]);
+        }
+        sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
+        sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
+      } else {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < KW / 2; ++c) {
+          mma_16<E>(acc[0], acc[1], acc[2], acc[3], k0[2 * c], k1[2 * c], k0[2 * c + 1],
+                    k1[2 * c + 1], qf[2 * c], qf[2 * c + 1]);
+        }
+        sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
+        sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
       }
-      sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
-      sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
     }
 
-    // Online softmax per head (2t + h): the tile's max, a lazy rescale, then
-    // P' = p * v_scale quantized per head.
+    // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P.
     float tile_max[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < ROWS; ++j) {
         const bool keep = tile + g + 8 * j < kv_hi;
         sc[j][h] = keep ? sc[j][h] * qs[h] * ks[j] : -INFINITY;
         mx = fmaxf(mx, sc[j][h]);
@@ -388,49 +466,97 @@ __global__ void __launch_bounds__(kWarps * 32)
         for (int i = 0; i < VD; ++i) o[h][i] *= alpha;
       }
     }
-    float p_step[2];
+    float p_step[2];  // INT8 V: the value of one P quantization step per head
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_use = m[h] == -INFINITY ? 0.f : m[h];  // then every score is -inf
-      float psum = 0.f, pmax = 0.f;
+      float psum = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float p = exp2f(sc[j][h] - m_use);
-        psum += p;
-        sc[j][h] = p > 0.f ? p * vs[j] : 0.f;  // never 0 * a garbage scale
-        pmax = fmaxf(pmax, fabsf(sc[j][h]));
+      for (int j = 0; j < ROWS; ++j) {
+        sc[j][h] = exp2f(sc[j][h] - m_use);
+        psum += sc[j][h];
       }
       l[h] += psum;  // per-thread partial; summed over g at the end
-      pmax = warp_max_over_g(pmax);
-      const float inv = pmax > 0.f ? __fdividef(127.f, pmax) : 1.f;
+      if constexpr (kV8) {  // P' = p * v_scale, quantized per head
+        float pmax = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // |x| <= 127 (to a few ulp), so the int8 cast is safe
-        const float x = sc[j][h] * inv;
-        p_row[(2 * t + h) * kTile + g + 8 * j] =
-            static_cast<int8_t>(static_cast<int>(x + copysignf(0.5f, x)));
+        for (int j = 0; j < ROWS; ++j) {
+          sc[j][h] = sc[j][h] > 0.f ? sc[j][h] * vs[j] : 0.f;  // never 0 * a garbage scale
+          pmax = fmaxf(pmax, fabsf(sc[j][h]));
+        }
+        pmax = warp_max_over_g(pmax);
+        const float inv = pmax > 0.f ? __fdividef(127.f, pmax) : 1.f;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {  // |x| <= 127 (to a few ulp): the int8 cast is safe
+          const float x = sc[j][h] * inv;
+          reinterpret_cast<int8_t*>(p_row)[(2 * t + h) * kTile + g + 8 * j] =
+              static_cast<int8_t>(static_cast<int>(x + copysignf(0.5f, x)));
+        }
+        p_step[h] = pmax > 0.f ? pmax * (1.f / 127.f) : 1.f;
+      } else {
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+          reinterpret_cast<E*>(p_row)[(2 * t + h) * kTile + g + 8 * j] = to_out<E>(sc[j][h]);
+        }
       }
-      p_step[h] = pmax > 0.f ? pmax * (1.f / 127.f) : 1.f;
     }
     __syncwarp();
-    const uint32_t pb0 = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 4 * t);
-    const uint32_t pb1 = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 16 + 4 * t);
+    // P^T fragments of head g: tokens v_token(4w..4w+3) in word w.
+    uint32_t pb[PW];
+#pragma unroll
+    for (int w = 0; w < PW; w += 2) {
+      if constexpr (kV8) {
+        pb[w] = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 16 * w + 4 * t);
+        pb[w + 1] = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 16 * w + 16 + 4 * t);
+      } else {
+        const uint2 x =
+            *reinterpret_cast<const uint2*>(p_row + (g * kTile + 8 * w + 4 * t) * 2);
+        pb[w] = x.x, pb[w + 1] = x.y;
+      }
+    }
     __syncwarp();  // the next tile rewrites s_p
 
-    // O^T += V^T P^T: m-tile i holds dims g D/8 + 2i (c0, c1) and g D/8 + 2i + 1 (c2, c3).
+    if constexpr (kV8) {
+      // O^T += V^T P^T: m-tile (w, e) holds dims g D/8 + 4w + e (c0, c1) and + 1 (c2, c3).
+      // One int32 accumulator per m-tile over the tile's K steps (kk), scaled once.
 #pragma unroll
-    for (int w = 0; w < VW; ++w) {
-      uint32_t lo[4], hi[4];
-      transpose4x4({vw[0][w], vw[1][w], vw[2][w], vw[3][w]}, lo);
-      transpose4x4({vw[4][w], vw[5][w], vw[6][w], vw[7][w]}, hi);
+      for (int w = 0; w < VW; ++w) {
+        int acc[2][4] = {};
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        int acc[4] = {0, 0, 0, 0};
-        mma_s8(acc, lo[e], lo[e + 1], hi[e], hi[e + 1], pb0, pb1);
-        const int d = 4 * w + e;
-        o[0][d] += static_cast<float>(acc[0]) * p_step[0];
-        o[1][d] += static_cast<float>(acc[1]) * p_step[1];
-        o[0][d + 1] += static_cast<float>(acc[2]) * p_step[0];
-        o[1][d + 1] += static_cast<float>(acc[3]) * p_step[1];
+        for (int kk = 0; kk < kTile / 32; ++kk) {
+          const int s = 8 * kk;  // V rows s..s+3: lo, s+4..s+7: hi
+          uint32_t lo[4], hi[4];
+          transpose4x4({vw[s][w], vw[s + 1][w], vw[s + 2][w], vw[s + 3][w]}, lo);
+          transpose4x4({vw[s + 4][w], vw[s + 5][w], vw[s + 6][w], vw[s + 7][w]}, hi);
+#pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            mma_s8(acc[e / 2], lo[e], lo[e + 1], hi[e], hi[e + 1], pb[2 * kk],
+                   pb[2 * kk + 1]);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int d = 4 * w + e;
+          o[0][d] += static_cast<float>(acc[e / 2][0]) * p_step[0];
+          o[1][d] += static_cast<float>(acc[e / 2][1]) * p_step[1];
+          o[0][d + 1] += static_cast<float>(acc[e / 2][2]) * p_step[0];
+          o[1][d + 1] += static_cast<float>(acc[e / 2][3]) * p_step[1];
+        }
+      }
+    } else {
+      // O^T += V^T P^T: m-tile w holds dims g D/8 + 2w (c0, c1) and + 1 (c2, c3); its A
+      // fragment pairs tokens (4t, 4t + 1) and (4t + 2, 4t + 3) of each dim.
+#pragma unroll
+      for (int w = 0; w < VW; ++w) {
+#pragma unroll
+        for (int kk = 0; kk < kTile / 16; ++kk) {
+          const int s = 4 * kk;  // V rows s..s+3
+          mma_16<E>(o[0][2 * w], o[1][2 * w], o[0][2 * w + 1], o[1][2 * w + 1],
+                    __byte_perm(vw[s][w], vw[s + 1][w], 0x5410),
+                    __byte_perm(vw[s][w], vw[s + 1][w], 0x7632),
+                    __byte_perm(vw[s + 2][w], vw[s + 3][w], 0x5410),
+                    __byte_perm(vw[s + 2][w], vw[s + 3][w], 0x7632), pb[2 * kk], pb[2 * kk + 1]);
+        }
       }
     }
   }
@@ -465,7 +591,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float val = acc / (lsum > 0.f ? lsum : 1.f);
     const int64_t row = token * a.num_q_heads + head0 + h;
     if (direct) {
-      static_cast<OutT*>(a.out)[row * D + d] = to_out<OutT>(val);
+      static_cast<E*>(a.out)[row * D + d] = to_out<E>(val);
     } else {
       const int64_t rows = a.num_tokens * a.num_q_heads;
       a.part_o[(split * rows + row) * D + d] = val;
@@ -476,10 +602,10 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 // One variant: launch it (grid.x > 0), or with grid.x == 0 write how many of its CTAs fit
 // on one multiprocessor to *resident.
-template <int D, int S, typename OutT>
+template <int D, int S, int KIND, typename E>
 cudaError_t run_variant(const Args& a, dim3 grid, cudaStream_t stream, int* resident) {
-  constexpr int bytes = static_cast<int>(smem_bytes<D, S>());
-  const auto kernel = int8_decode_kernel<D, S, OutT>;
+  constexpr int bytes = static_cast<int>(smem_bytes<D, S, KIND>());
+  const auto kernel = paged_decode_kernel<D, S, KIND, E>;
   const cudaError_t opt_in = cudaFuncSetAttribute(  // beyond the 48 KB default, per device
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (opt_in != cudaSuccess) return opt_in;
@@ -490,18 +616,32 @@ cudaError_t run_variant(const Args& a, dim3 grid, cudaStream_t stream, int* resi
   return cudaGetLastError();
 }
 
-// The built (head_dim, stages) variants; the Python side picks the stages per head_dim.
-template <typename OutT>
-cudaError_t dispatch(const Args& a, int head_dim, int stages, dim3 grid, cudaStream_t stream,
-                     int* resident) {
+// The built (head_dim, stages) variants of one kind; cuda_native.DECODE_STAGES lists the
+// same, and the Python side picks the stages.
+template <int KIND, typename E>
+cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid,
+                          cudaStream_t stream, int* resident) {
   switch (head_dim * 16 + stages) {
-    case 64 * 16 + 0: return run_variant<64, 0, OutT>(a, grid, stream, resident);
-    case 64 * 16 + 2: return run_variant<64, 2, OutT>(a, grid, stream, resident);
-    case 128 * 16 + 0: return run_variant<128, 0, OutT>(a, grid, stream, resident);
-    case 128 * 16 + 2: return run_variant<128, 2, OutT>(a, grid, stream, resident);
-    case 128 * 16 + 3: return run_variant<128, 3, OutT>(a, grid, stream, resident);
-    case 256 * 16 + 0: return run_variant<256, 0, OutT>(a, grid, stream, resident);
-    case 256 * 16 + 2: return run_variant<256, 2, OutT>(a, grid, stream, resident);
+    case 64 * 16 + 0: return run_variant<64, 0, KIND, E>(a, grid, stream, resident);
+    case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, stream, resident);
+    case 128 * 16 + 0: return run_variant<128, 0, KIND, E>(a, grid, stream, resident);
+    case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, stream, resident);
+    case 128 * 16 + 3:
+      if constexpr (KIND == kInt8KV) return run_variant<128, 3, KIND, E>(a, grid, stream, resident);
+      return cudaErrorInvalidValue;
+    case 256 * 16 + 0: return run_variant<256, 0, KIND, E>(a, grid, stream, resident);
+    case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, stream, resident);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename E>
+cudaError_t dispatch(const Args& a, int kind, int head_dim, int stages, dim3 grid,
+                     cudaStream_t stream, int* resident) {
+  switch (kind) {
+    case kInt8KV: return dispatch_dims<kInt8KV, E>(a, head_dim, stages, grid, stream, resident);
+    case kInt8K: return dispatch_dims<kInt8K, E>(a, head_dim, stages, grid, stream, resident);
+    case kHalf: return dispatch_dims<kHalf, E>(a, head_dim, stages, grid, stream, resident);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -530,24 +670,25 @@ class DeviceGuard {
 extern "C" {
 
 // Launches on `stream` (the caller's current torch stream); returns a cudaError_t code.
-// out_dtype: 0 bfloat16, 1 float16; index64: bits 0, 1, 2 set where block_table, seq_lens,
-// query_start_loc are int64. sizes: num_tokens, num_q_heads, group, num_blocks,
-// max_blocks, page, page_shift (-1 unless a power of two); strides (elements): query token,
-// then (block, token, head) of K, V, K scales, V scales, then the table's (row, column).
-// The caller guarantees what cuda_native.int8_decode_unsupported checks (alignment, 32-bit
-// per-token offsets) and num_kv_heads * batch * splits < 2^31.
-int pagedfuse_int8_decode(int device, void* stream, int out_dtype, int index64, int head_dim,
-                          int stages,
-                          int64_t batch, int64_t num_kv_heads, int64_t splits,
-                          const int8_t* q, const float* q_scale, const int8_t* k,
-                          const int8_t* v, const float* k_scale, const float* v_scale,
-                          const void* block_table, const void* seq_lens,
-                          const void* query_start, void* out, float* part_o, float* part_lse,
-                          float scale_log2, const int64_t* sizes, const int64_t* strides) {
+// kind: a Kind; out_dtype: 0 bfloat16, 1 float16 (also the query's, and a 16-bit cache's);
+// index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. sizes:
+// num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a
+// power of two); strides: the query's token stride (elements), then (block, token, head)
+// of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
+// column). The caller guarantees what cuda_native.decode_unsupported checks (alignment,
+// 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
+int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64,
+                     int head_dim, int stages, int64_t batch, int64_t num_kv_heads,
+                     int64_t splits, const void* q, const float* q_scale, const void* k,
+                     const void* v, const float* k_scale, const float* v_scale,
+                     const void* block_table, const void* seq_lens, const void* query_start,
+                     void* out, float* part_o, float* part_lse, float scale_log2,
+                     const int64_t* sizes, const int64_t* strides) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   Args a{};
-  a.q = q, a.q_scale = q_scale, a.k = k, a.v = v, a.k_scale = k_scale, a.v_scale = v_scale;
+  a.q = q, a.q_scale = q_scale, a.k_scale = k_scale, a.v_scale = v_scale;
+  a.k = static_cast<const int8_t*>(k), a.v = static_cast<const int8_t*>(v);
   a.block_table = block_table, a.seq_lens = seq_lens, a.query_start = query_start;
   a.out = out, a.part_o = part_o, a.part_lse = part_lse, a.scale_log2 = scale_log2;
   a.num_tokens = sizes[0], a.num_q_heads = sizes[1];
@@ -566,24 +707,26 @@ int pagedfuse_int8_decode(int device, void* stream, int out_dtype, int index64, 
   a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
   const dim3 grid(static_cast<unsigned>(num_kv_heads * batch * splits));  // heads fastest
   const auto s = static_cast<cudaStream_t>(stream);
-  return out_dtype == 0 ? dispatch<__nv_bfloat16>(a, head_dim, stages, grid, s, nullptr)
-                        : dispatch<__half>(a, head_dim, stages, grid, s, nullptr);
+  return out_dtype == 0
+             ? dispatch<__nv_bfloat16>(a, kind, head_dim, stages, grid, s, nullptr)
+             : dispatch<__half>(a, kind, head_dim, stages, grid, s, nullptr);
 }
 
-// CTAs of the (head_dim, stages) variant that fit on one multiprocessor (registers and
+// CTAs of the (kind, head_dim, stages) variant that fit on one multiprocessor (registers and
 // shared memory), into *resident; returns a cudaError_t code.
-int pagedfuse_int8_decode_occupancy(int device, int head_dim, int stages, int* resident) {
+int pagedfuse_decode_occupancy(int device, int kind, int head_dim, int stages, int* resident) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
-  return dispatch<__nv_bfloat16>(Args{}, head_dim, stages, dim3(0, 1, 1), nullptr, resident);
+  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, stages, dim3(0, 1, 1), nullptr,
+                                 resident);
 }
 
 // 0 when this build has machine code or PTX the device can run, else a cudaError_t code.
-int pagedfuse_int8_decode_probe(int device) {
+int pagedfuse_decode_probe(int device) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, int8_decode_kernel<128, 0, __nv_bfloat16>);
+  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, 0, kInt8KV, __nv_bfloat16>);
 }
 
 const char* pagedfuse_cuda_error_string(int code) {
