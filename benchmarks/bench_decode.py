@@ -450,7 +450,7 @@ def split_check(bw: float) -> str:
     for gname, geo in GEOMETRIES.items():
         case = Case(geo, 64, 8192)
         for kind in ("bf16", "int8_kv", "int8_k"):
-            native = _native_path(kind) == "CUDA C++"
+            native = _default_native(kind, geo[2])
             config = (pf_cuda.native_config(NATIVE_KIND[kind], geo[2], torch.device("cuda"))
                       if native else pf_cuda.launch_config(kind != "bf16"))
             auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
@@ -515,18 +515,34 @@ def _pf_call(case: Case, kind: str, config=None, splits=None, native=None) -> to
     return out
 
 
-def _native_path(kind: str) -> str:
-    """Which kernel the op runs here for a q_len 1 call of this cache format (llama3_8b
-    shapes), and why not the CUDA C++ decode."""
+def _native_reason(kind: str) -> str | None:
+    """Why a q_len 1 call of this cache format cannot take the CUDA C++ decode here (None:
+    it can; llama3_8b shapes)."""
     q = torch.empty(1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.empty(1, 16, 8, 128, device="cuda",
                     dtype=torch.bfloat16 if kind == "bf16" else torch.int8)
     v = k if kind != "int8_k" else q.new_empty(k.shape)
     scale = None if kind == "bf16" else torch.empty(1, 16, 8, device="cuda")
     table = torch.zeros(1, 1, device="cuda", dtype=torch.int32)
-    reason = pf_cuda.native_reason(q, k, v, scale, scale if kind == "int8_kv" else None,
-                                   table, None, 1)
-    return "CUDA C++" if reason is None else f"Triton: {reason}"
+    return pf_cuda.native_reason(q, k, v, scale, scale if kind == "int8_kv" else None,
+                                 table, None, 1)
+
+
+def _default_native(kind: str, head_dim: int) -> bool:
+    """Whether the op's default path for this format and head_dim is the CUDA C++ decode."""
+    return (_native_reason(kind) is None
+            and head_dim in pf_cuda.NATIVE_BY_DEFAULT[NATIVE_KIND[kind]])
+
+
+def _native_path(kind: str) -> str:
+    """Which kernel the op runs here by default for a q_len 1 call, per head_dim."""
+    reason = _native_reason(kind)
+    if reason is not None:
+        return f"Triton ({reason})"
+    native = sorted(pf_cuda.NATIVE_BY_DEFAULT[NATIVE_KIND[kind]])
+    others = sorted({g[2] for g in GEOMETRIES.values()} - set(native))
+    return f"CUDA C++ at head_dim {', '.join(map(str, native))}" + (
+        f", Triton at {', '.join(map(str, others))}" if others else "")
 
 
 def main() -> None:

@@ -360,6 +360,23 @@ def test_native_decode_is_built_and_chosen():
         run_kernel(make_case(batch=2, q_lens=[2, 1], kv_int8="kv"), native=True)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_default_path_follows_the_native_table(kind, d, monkeypatch):
+    """A q_len 1 call with no choice made takes the CUDA C++ decode exactly where
+    cuda.NATIVE_BY_DEFAULT lists its (kind, head_dim), and is right either way."""
+    from pagedfuse.ops import cuda
+
+    launches = []
+    launch = cuda_native.decode_into
+    monkeypatch.setattr(cuda_native, "decode_into",
+                        lambda *args: launches.append(1) or launch(*args))
+    case = make_case(batch=2, hq=8, hkv=2, d=d, kv_int8=KINDS[kind])
+    out = run_kernel(case, max_query_len=1)
+    assert len(launches) == (d in cuda.NATIVE_BY_DEFAULT[kind])
+    assert rel_err(out, reference(case)) < _native_tol(case)
+
+
 def test_ops_route_to_the_cuda_kernels():
     case = make_case(batch=2, hq=8, hkv=2, d=64, kv_int8="kv")
     args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale",

@@ -53,6 +53,10 @@ NATIVE_STAGES = {
     "int8_k": {64: 0, 128: 2, 256: 2},
     "half": {64: 2, 128: 2, 256: 0},
 }
+# kind -> the head dims whose decode calls take the CUDA C++ kernel by default. For bf16
+# head_dim 128 and 256 the Triton kernel measured as fast or faster on the H200 (within 3%
+# at B=64, up to 12% faster at short contexts; benchmarks/RESULTS.md), so it keeps them.
+NATIVE_BY_DEFAULT = {"int8_kv": {64, 128, 256}, "int8_k": {64, 128, 256}, "half": {64}}
 
 
 def native_config(kind: str, head_dim: int, device: torch.device,
@@ -175,8 +179,9 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                          max_query_len: int | None, config: LaunchConfig | None = None,
                          splits: int | None = None, native: bool | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
-    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode where it applies,
-    False always the Triton kernel, True requires the CUDA C++ one."""
+    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode where it applies
+    and NATIVE_BY_DEFAULT lists the head_dim, False always the Triton kernel, True requires
+    the CUDA C++ one."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
@@ -187,7 +192,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                                block_table, attn_bias, max_query_len)
         if native and reason:
             raise ValueError(f"the CUDA C++ decode cannot run this call: {reason}")
-        native = reason is None
+        native = reason is None and (native or head_dim in NATIVE_BY_DEFAULT[kind])
     context = max_seq_len if max_seq_len is not None else max_blocks * page
     default = (native_config(kind, head_dim, query.device) if native
                else launch_config(int8_k))
