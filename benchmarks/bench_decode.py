@@ -388,7 +388,7 @@ def sweep_locality(bw: float) -> None:
 
 
 def sweep(bw: float, what: str) -> None:
-    """GPU-time sweeps: the CUDA C++ INT8 decode ("native"), the Triton bf16 and INT8 K tile
+    """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
     configs ("tiles"), the bf16 split counts ("splits") or the block table's order
     ("locality")."""
     if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)

@@ -401,14 +401,15 @@ def test_quantize_int8_is_bit_exact():
         assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
 
 
-@pytest.mark.parametrize("kv_int8", [None, "kv"])
-def test_out_of_range_block_ids_are_clamped(kv_int8):
+@pytest.mark.parametrize("native", [True, False], ids=["cuda-cpp", "triton"])
+@pytest.mark.parametrize("kv_int8", [None, "k", "kv"])
+def test_out_of_range_block_ids_are_clamped(kv_int8, native):
     """Unchecked bad ids must not read outside the cache (compute-sanitizer checks the
     reads in gpu_check.sh; here: no fault, every element written)."""
     case = make_case(batch=2, hq=8, hkv=2, d=64, kv_int8=kv_int8)
     case["block_table"][0, 0] = 10**6
     case["block_table"][1, 0] = -5
-    out = run_kernel(case, max_query_len=1)  # INT8 K+V: the CUDA C++ decode where built
+    out = run_kernel(case, max_query_len=1, native=native)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
 

@@ -16,8 +16,8 @@
 // Work split: one CTA of 4 warps per (KV head, sequence, split), heads fastest, so the CTAs
 // that run together read the neighbouring heads of the same token rows (on the H200 3-8%
 // faster for llama3_8b at B=64 than sequences fastest); each warp walks its own tiles of
-// kTile tokens (32 with INT8 V, 16 with 16-bit V: the P·V MMA's K, and the same bytes per
-// tile either way) with its own online softmax, and the CTA merges the 4 warps at the end.
+// kTile tokens (Traits) with its own online softmax, and the CTA merges the 4 warps at the
+// end.
 // Each warp streams its tiles through a cp.async pipeline in shared memory (1-2 tiles in
 // flight while it computes one), or loads them straight into registers (stages 0). The
 // query heads of the group are the N = 8 columns of both MMAs (m16n8k32.s8 for 8-bit
@@ -26,10 +26,10 @@
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes are free to permute, which picks the fragments so every operand is a
 // plain vector load from the staged tile: thread (g = lane / 4, t = lane % 4) reads K tokens
-// g + 8j, dims [t D/4, (t+1) D/4), and V tokens {4t..4t+3, 16+4t..16+4t+3}, dims
+// g + 8j, dims [t D/4, (t+1) D/4), and V tokens 4t..4t+3 of every 16, dims
 // [g D/8, (g+1) D/8).
-// P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256 bytes
-// of shared memory per warp.
+// P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256-512
+// bytes of shared memory per warp.
 //
 // INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
 // int8 (round half away from zero, like the Triton kernel), and the int32 result is scaled
@@ -43,7 +43,7 @@
 // the per-tile P quantization), so most tiles skip the O rescale, and the branch is
 // warp-uniform.
 //
-// Instructions per tile bound this kernel: with 2-3 warps per scheduler there is little else
+// Instructions per tile bound the INT8 kernel: with 2-3 warps per scheduler there is little else
 // to issue while one waits. So per-token addressing is 32-bit: each lane locates its own
 // token once per tile (one block-table read) and the row offsets travel by shuffle, in
 // 16-byte units (the host checks they fit 32 bits). Nsight Compute on the H200, llama3_8b
@@ -257,7 +257,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
-  // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes either way.
+  // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes (512 for 16-bit V
+  // at head_dim 64).
   __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -518,29 +519,21 @@ __global__ void __launch_bounds__(kWarps * 32)
 
     if constexpr (kV8) {
       // O^T += V^T P^T: m-tile (w, e) holds dims g D/8 + 4w + e (c0, c1) and + 1 (c2, c3).
-      // One int32 accumulator per m-tile over the tile's K steps (kk), scaled once.
+      static_assert(kTile == 32, "INT8 V: one P·V MMA K step per tile");
 #pragma unroll
       for (int w = 0; w < VW; ++w) {
-        int acc[2][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < kTile / 32; ++kk) {
-          const int s = 8 * kk;  // V rows s..s+3: lo, s+4..s+7: hi
-          uint32_t lo[4], hi[4];
-          transpose4x4({vw[s][w], vw[s + 1][w], vw[s + 2][w], vw[s + 3][w]}, lo);
-          transpose4x4({vw[s + 4][w], vw[s + 5][w], vw[s + 6][w], vw[s + 7][w]}, hi);
-#pragma unroll
-          for (int e = 0; e < 4; e += 2) {
-            mma_s8(acc[e / 2], lo[e], lo[e + 1], hi[e], hi[e + 1], pb[2 * kk],
-                   pb[2 * kk + 1]);
-          }
-        }
+        uint32_t lo[4], hi[4];
+        transpose4x4({vw[0][w], vw[1][w], vw[2][w], vw[3][w]}, lo);
+        transpose4x4({vw[4][w], vw[5][w], vw[6][w], vw[7][w]}, hi);
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
+          int acc[4] = {0, 0, 0, 0};
+          mma_s8(acc, lo[e], lo[e + 1], hi[e], hi[e + 1], pb[0], pb[1]);
           const int d = 4 * w + e;
-          o[0][d] += static_cast<float>(acc[e / 2][0]) * p_step[0];
-          o[1][d] += static_cast<float>(acc[e / 2][1]) * p_step[1];
-          o[0][d + 1] += static_cast<float>(acc[e / 2][2]) * p_step[0];
-          o[1][d + 1] += static_cast<float>(acc[e / 2][3]) * p_step[1];
+          o[0][d] += static_cast<float>(acc[0]) * p_step[0];
+          o[1][d] += static_cast<float>(acc[1]) * p_step[1];
+          o[0][d + 1] += static_cast<float>(acc[2]) * p_step[0];
+          o[1][d + 1] += static_cast<float>(acc[3]) * p_step[1];
         }
       }
     } else {

@@ -54,8 +54,9 @@ NATIVE_STAGES = {
     "half": {64: 2, 128: 2, 256: 0},
 }
 # kind -> the head dims whose decode calls take the CUDA C++ kernel by default. For bf16
-# head_dim 128 and 256 the Triton kernel measured as fast or faster on the H200 (within 3%
-# at B=64, up to 12% faster at short contexts; benchmarks/RESULTS.md), so it keeps them.
+# head_dim 128 and 256 the Triton kernel measured as fast or faster on the H200 (128: within
+# 1% at B >= 8 and L >= 8192, 4-12% faster at B=1 and short contexts; 256: 1-14% faster;
+# benchmarks/RESULTS.md), so it keeps them.
 NATIVE_BY_DEFAULT = {"int8_kv": {64, 128, 256}, "int8_k": {64, 128, 256}, "half": {64}}
 
 
@@ -187,12 +188,14 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
     kind = cuda_native.kind_of(key_cache, value_cache)
+    if native is None and head_dim not in NATIVE_BY_DEFAULT[kind]:
+        native = False  # Triton measured as fast or faster here: no checks to pay for
     if native is not False:
         reason = native_reason(query, key_cache, value_cache, key_scale, value_scale,
                                block_table, attn_bias, max_query_len)
         if native and reason:
             raise ValueError(f"the CUDA C++ decode cannot run this call: {reason}")
-        native = reason is None and (native or head_dim in NATIVE_BY_DEFAULT[kind])
+        native = reason is None
     context = max_seq_len if max_seq_len is not None else max_blocks * page
     default = (native_config(kind, head_dim, query.device) if native
                else launch_config(int8_k))
