@@ -355,6 +355,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       cp_async16(&buf.v[row][(lane % VCH) * 16], v_col + static_cast<size_t>(v_row) * 16);
     }
   };
+
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[2][VD];
 #pragma unroll

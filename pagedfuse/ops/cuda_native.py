@@ -109,12 +109,12 @@ def decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, key_scale: torch.Tensor | None,
                        value_scale: torch.Tensor | None, block_table: torch.Tensor,
                        group: int) -> str | None:
-    """Why the CUDA C++ decode cannot take this call (None: it can). The caller has already
-    checked decode (q_len <= 1) and no bias; check_metadata, that the dtypes pair up (a
-    16-bit cache has the query's dtype, a scale goes with each int8 cache)."""
+    """Why the CUDA C++ decode cannot take this call (None: it can). The caller has checked
+    decode (q_len <= 1) and no bias, and check_metadata that the dtypes pair up (a 16-bit
+    cache has the query's dtype, a scale goes with each int8 cache)."""
     if query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {query.dtype} (bfloat16 or float16 only)"
-    if query.shape[-1] not in DECODE_STAGES["half"]:
+    if query.shape[-1] not in DECODE_STAGES[kind_of(key_cache, value_cache)]:
         return f"head_dim {query.shape[-1]}"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
