@@ -3,7 +3,8 @@
 Geometries (Hq, Hkv, D) x batch x context, page 16, random block permutation, bf16. Each
 row times, side by side in one run: eager gather + SDPA, the same under torch.compile
 (inductor), SDPA on already-contiguous K/V (best of cuDNN and flash: the proxy for the
-physical limit), naive INT8 dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
+physical limit), FlexAttention paged over the same cache (flex_paged.py), naive INT8
+dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
 K+V and INT8 K + bf16 V, each by the op's default path (the CUDA C++ decode where built)
 and by the Triton kernel. Times
 are medians (triton.testing.do_bench, L2 flushed between calls); B=1 is also timed under
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
 from pagedfuse.ops import cuda as pf_cuda
@@ -82,7 +84,11 @@ class Case:
     def methods(self, compiled: dict[str, Callable]) -> dict[str, tuple[str, Callable]]:
         """name -> (floor kind, zero-argument callable)."""
         tail = (*self.block_args, self.scale, False, None, self.length, 1)
+        flex = {} if compiled.get("flex") is None else {
+            "FlexAttention paged": ("bf16", _set_up_on_first_call(
+                lambda: _flex_paged(self, compiled["flex"])))}
         return {
+            **flex,
             "eager gather+SDPA": ("bf16", lambda: gather_sdpa(self.q, self.k, self.v,
                                                               self.table, self.scale)),
             "inductor gather+SDPA": ("bf16", lambda: compiled["gather"](
@@ -210,18 +216,49 @@ def _fits(geo, batch, length) -> bool:
     return 4.5 * kv < MEMORY_LIMIT  # cache, int8 copy, contiguous copy, eager temporaries
 
 
-def compile_peers() -> dict[str, Callable]:
+def compile_peers(flex: bool = True) -> dict[str, Callable | None]:
+    """The compiled peers. FlexAttention compiles per shape until Dynamo makes it dynamic;
+    the recompile limit is raised so no case falls back to eager flex (which would
+    materialize every score)."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), 64))  # (the latter: its older name)
     return {"gather": torch.compile(gather_sdpa, dynamic=True),
-            "int8": torch.compile(int8_sdpa, dynamic=True)}
+            "int8": torch.compile(int8_sdpa, dynamic=True),
+            "flex": torch.compile(flex_attention) if flex else None}
+
+
+def _flex_paged(case: Case, flex: Callable) -> Callable:
+    """FlexAttention over the case's pages; imported here, since torch's PagedAttention is
+    experimental: a torch without it costs the flex column, not the run."""
+    from flex_paged import paged_flex_call
+
+    return paged_flex_call(case.q, case.k, case.v, case.table, case.seq_lens, case.scale,
+                           flex)
+
+
+def _set_up_on_first_call(set_up: Callable[[], Callable]) -> Callable:
+    """A call whose setup runs inside its first call, so a peer that cannot set up a case
+    fails in run_case's try, like one that cannot run it."""
+    fn = None
+
+    def call():
+        nonlocal fn
+        if fn is None:
+            fn = set_up()
+        return fn()
+
+    return call
 
 
 METHOD_ORDER = ["eager gather+SDPA", "inductor gather+SDPA", "contiguous SDPA",
-                "naive INT8 inductor", "pagedfuse bf16", "pagedfuse bf16 Triton",
-                "pagedfuse INT8 K+V", "pagedfuse INT8 K+V Triton", "pagedfuse INT8 K",
-                "pagedfuse INT8 K Triton"]
-SHORT = ["eager", "inductor", "contig", "naive i8", "pf bf16", "pf bf16 Triton", "pf i8 K+V",
-         "pf i8 K+V Triton", "pf i8 K", "pf i8 K Triton"]
-RATIOS = {"pf/contig": "pagedfuse bf16", "pf Triton/contig": "pagedfuse bf16 Triton",
+                "FlexAttention paged", "naive INT8 inductor", "pagedfuse bf16",
+                "pagedfuse bf16 Triton", "pagedfuse INT8 K+V", "pagedfuse INT8 K+V Triton",
+                "pagedfuse INT8 K", "pagedfuse INT8 K Triton"]
+SHORT = ["eager", "inductor", "contig", "flex", "naive i8", "pf bf16", "pf bf16 Triton",
+         "pf i8 K+V", "pf i8 K+V Triton", "pf i8 K", "pf i8 K Triton"]
+RATIOS = {"flex/contig": "FlexAttention paged",
+          "pf/contig": "pagedfuse bf16", "pf Triton/contig": "pagedfuse bf16 Triton",
           "i8KV/contig": "pagedfuse INT8 K+V", "i8KV Triton/contig": "pagedfuse INT8 K+V Triton",
           "i8K/contig": "pagedfuse INT8 K", "i8K Triton/contig": "pagedfuse INT8 K Triton"}
 NATIVE_KIND = {"bf16": "half", "int8_kv": "int8_kv", "int8_k": "int8_k"}  # cuda_native's
@@ -260,8 +297,9 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
         "pf bf16, pf i8 K+V and pf i8 K are the ops' default paths (bf16: "
         f"{_native_path('bf16')}; INT8 K+V: {_native_path('int8_kv')}; INT8 K: "
         f"{_native_path('int8_k')}); the Triton columns force the Triton kernel. Page 16, "
-        "random block permutation, bf16 queries, q_len 1. FlexAttention paged was not run "
-        "(not implemented in this benchmark).",
+        "random block permutation, bf16 queries, q_len 1. flex: FlexAttention through "
+        "torch's experimental PagedAttention over the same cache, under torch.compile "
+        "(flex_paged.py).",
         "",
         "| geometry | B | L | KV GB | " + " | ".join(SHORT) + " | " + " | ".join(RATIOS)
         + " | pf err | i8KV err | i8K err |",
@@ -553,6 +591,7 @@ def main() -> None:
                         "native:bf16,int8_k,... for some cache formats), tiles, splits or "
                         "locality")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
+    parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     args = parser.parse_args()
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -568,7 +607,7 @@ def main() -> None:
     except Exception as exc:
         extra = f"\nSplit check / host cost failed: {exc!r}\n"
         print(extra, flush=True)
-    compiled = compile_peers()
+    compiled = compile_peers(flex=not args.no_flex)
     batches, lengths = ((1, 8), (1536,)) if args.quick else (BATCHES, LENGTHS)
     combos = [(g, b, n) for g in GEOMETRIES.values() for b in batches for n in lengths
               if _fits(g, b, n)]

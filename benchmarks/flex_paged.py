@@ -1,0 +1,51 @@
+"""FlexAttention on a paged cache: the peer that bench_decode.py times against pagedfuse.
+
+torch's experimental PagedAttention maps a logical block mask onto physical pages. Here the
+physical pages are the benchmark's own cache, viewed (not copied) as one sequence per KV
+head, [1, Hkv, blocks * page, D], and its page table is the case's block table, so
+FlexAttention reads the very bytes pagedfuse reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.experimental._paged_attention import PagedAttention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+def physical_pages(cache: torch.Tensor) -> torch.Tensor:
+    """[blocks, page, Hkv, D] NHD cache -> [1, Hkv, blocks * page, D], a view: a block's
+    stride is page times a token's, so the two dims merge without a copy."""
+    blocks, page, hkv, d = cache.shape
+    pages = cache.permute(2, 0, 1, 3).reshape(1, hkv, blocks * page, d)
+    if pages.data_ptr() != cache.data_ptr():
+        raise ValueError("the cache's blocks and tokens do not merge into one view")
+    return pages
+
+
+def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    flex: Callable = flex_attention) -> Callable[[], torch.Tensor]:
+    """A zero-argument call of ``flex`` (flex_attention, or a compiled one) for decode:
+    query [B, Hq, D], one token per sequence, attending to the first seq_lens[b] keys of
+    sequence b's pages; it returns [B, Hq, D]. The block mask is built here, once, so the
+    call times attention alone."""
+    batch, _, _ = query.shape
+    blocks, page, _, _ = key_cache.shape
+    n = block_table.shape[1]
+    device = query.device
+    paged = PagedAttention(blocks, page, batch, device=str(device))
+    paged.page_table[:, :n] = block_table
+    rows = torch.arange(batch, device=device)[:, None]
+    paged.physical_to_logical[rows, block_table.long()] = torch.arange(n, device=device)
+
+    def length(b, h, q_idx, kv_idx):
+        return kv_idx < seq_lens[b]
+
+    logical = create_block_mask(length, batch, None, 1, n * page, device=str(device),
+                                BLOCK_SIZE=page)
+    mask = paged.convert_logical_block_mask(logical)
+    q, k, v = query[:, :, None], physical_pages(key_cache), physical_pages(value_cache)
+    return lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
