@@ -45,10 +45,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 def zeroed_caches(monkeypatch):
     """transformers allocates the paged caches with torch.empty, and a batch can read slots
     nothing wrote (docs/transformers.md). Garbage there (huge or NaN) makes both the tokens
-    and the verify replay depend on the memory's history. One full CI run (of six this
-    session) failed the replay check at 3.6e-2, on the second layer of transformers' warm-up
-    batch, which fits that; reruns passed. Zeroed caches make every run read the same
-    memory."""
+    and the verify replay depend on the memory's history (one CI run failed the replay check
+    at 3.6e-2 on the second layer of transformers' warm-up batch; reruns passed). Zeroed
+    caches make every run read the same memory."""
     init = PagedAttentionCache.__init__
 
     def init_zeroed(self, *args, **kwargs):
