@@ -57,11 +57,11 @@ class Run:
         return 1e3 * self.decode_seconds / self.decode_steps
 
 
-def zero_initialized_caches() -> None:
-    """transformers allocates the paged cache with torch.empty and, in a batch that needs no
-    query padding, reads its never-written trash slot (weight 0, but 0 * NaN = NaN; see
-    docs/transformers.md). Zero the caches so every run decodes from the same memory."""
-    init = PagedAttentionCache.__init__
+def zeroing(init: Callable) -> Callable:
+    """PagedAttentionCache.__init__ made to zero the caches it allocates. transformers
+    allocates them with torch.empty and, in a batch that needs no query padding, reads its
+    never-written trash slot (weight 0, but 0 * NaN = NaN; see docs/transformers.md):
+    zeroed, every run decodes from the same memory."""
 
     @functools.wraps(init)
     def zeroed(self, *args, **kwargs):
@@ -69,7 +69,7 @@ def zero_initialized_caches() -> None:
         for cache in (*self.key_cache, *self.value_cache):
             cache.zero_()
 
-    PagedAttentionCache.__init__ = zeroed
+    return zeroed
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
@@ -194,7 +194,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     command = "python " + shlex.join(sys.argv)
-    zero_initialized_caches()
+    PagedAttentionCache.__init__ = zeroing(PagedAttentionCache.__init__)
     model = build_model(args)
     prompts = make_prompts(args)
     rows = {"inductor": measure(model, prompts, args, "inductor")}

@@ -8,6 +8,9 @@ call without pagedfuse and of plain `generate`.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,9 @@ from transformers.generation.configuration_utils import (  # noqa: E402
 from transformers.generation.continuous_batching.cache import (  # noqa: E402
     PagedAttentionCache,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_hf import zeroing  # noqa: E402
 
 NUM_LAYERS = 2
 MAX_NEW_TOKENS = 6
@@ -47,15 +53,8 @@ def zeroed_caches(monkeypatch):
     nothing wrote (docs/transformers.md). Garbage there (huge or NaN) makes both the tokens
     and the verify replay depend on the memory's history (one CI run failed the replay check
     at 3.6e-2 on the second layer of transformers' warm-up batch; reruns passed). Zeroed
-    caches make every run read the same memory."""
-    init = PagedAttentionCache.__init__
-
-    def init_zeroed(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        for cache in (*self.key_cache, *self.value_cache):
-            cache.zero_()
-
-    monkeypatch.setattr(PagedAttentionCache, "__init__", init_zeroed)
+    caches make every run read the same memory, as in benchmarks/bench_hf.py."""
+    monkeypatch.setattr(PagedAttentionCache, "__init__", zeroing(PagedAttentionCache.__init__))
 
 
 def build_model(name: str, device: str) -> torch.nn.Module:
