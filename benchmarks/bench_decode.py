@@ -21,7 +21,9 @@ import argparse
 import datetime
 import math
 import platform
+import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -196,7 +198,9 @@ def run_case(case: Case, compiled: dict, bw: float) -> dict:
             us = bench(fn, reps)
         except Exception as exc:  # a peer that cannot run this case is reported, not fatal
             row["us"][name] = None
-            row["err"][name] = f"{type(exc).__name__}"
+            row["err"][name] = _reason(exc)
+            print(f"{name} failed on {case.geo} B={case.batch} L={case.length}:\n"
+                  + "".join(traceback.format_exception(exc)[-3:]), file=sys.stderr)
             continue
         row["us"][name] = us
         row["floor"][name] = case.bytes(kind) / bw / (us * 1e-6)
@@ -210,6 +214,16 @@ def run_case(case: Case, compiled: dict, bw: float) -> dict:
     return row
 
 
+def _reason(exc: Exception) -> str:
+    """The exception's type and first line (an InductorError's first line is its cause), and
+    its last line where the first only leads in to a subprocess's traceback."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.startswith("Set TORCHDYNAMO_VERBOSE")]
+    why = " ... ".join(lines[:1] + lines[-1:]) if lines[:1] and lines[0].endswith(":") \
+        else "".join(lines[:1])
+    return f"{type(exc).__name__}: {why[:300]}".replace("|", "/")
+
+
 def _fits(geo, batch, length) -> bool:
     hq, hkv, d = geo
     kv = 4 * batch * length * hkv * d
@@ -217,15 +231,16 @@ def _fits(geo, batch, length) -> bool:
 
 
 def compile_peers(flex: bool = True) -> dict[str, Callable | None]:
-    """The compiled peers. FlexAttention compiles per shape until Dynamo makes it dynamic;
-    the recompile limit is raised so no case falls back to eager flex (which would
-    materialize every score)."""
+    """The compiled peers. FlexAttention compiles for each shape: on the H200, the shapes
+    after the first, which Dynamo made dynamic, failed inductor's flex lowering (it wants
+    concrete batch and head counts). The recompile limit is raised so no case falls back to
+    eager flex, which would materialize every score."""
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, limit, max(getattr(config, limit), 64))  # (the latter: its older name)
     return {"gather": torch.compile(gather_sdpa, dynamic=True),
             "int8": torch.compile(int8_sdpa, dynamic=True),
-            "flex": torch.compile(flex_attention) if flex else None}
+            "flex": torch.compile(flex_attention, dynamic=False) if flex else None}
 
 
 def _flex_paged(case: Case, flex: Callable) -> Callable:
@@ -267,9 +282,14 @@ NATIVE_KIND = {"bf16": "half", "int8_kv": "int8_kv", "int8_k": "int8_k"}  # cuda
 def _fmt(row: dict, name: str) -> str:
     us = row["us"].get(name)
     if us is None:
-        return f"n/a ({row['err'].get(name, 'skipped')})"
+        return "n/a"
     backend = f" {row['contig_backend']}" if name == "contiguous SDPA" else ""
     return f"{us:.1f} ({100 * row['floor'][name]:.0f}%){backend}"
+
+
+def _case_name(row: dict) -> str:
+    geo = next(k for k, v in GEOMETRIES.items() if v == row["geo"])
+    return f"{geo} B={row['B']} L={row['L']}"
 
 
 def _ratio(row: dict, name: str) -> str:
@@ -313,6 +333,14 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
             + " | ".join(_ratio(r, m) for m in RATIOS.values())
             + f" | {_err(r, 'pagedfuse bf16')} | {_err(r, 'pagedfuse INT8 K+V')} | "
             f"{_err(r, 'pagedfuse INT8 K')} |")
+    failures: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        for m in METHOD_ORDER:
+            if r["us"].get(m) is None and m in r["err"]:
+                failures.setdefault((m, r["err"][m]), []).append(_case_name(r))
+    if failures:
+        lines += ["", "n/a: the method failed on that case:", ""]
+        lines += [f"- {m} ({', '.join(cases)}): {why}" for (m, why), cases in failures.items()]
     lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
               "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
               "host overhead shows where it exceeds the GPU time:", ""]
@@ -327,11 +355,15 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], bw: float, path: str) -> None:
+def plot(rows: list[dict], bw: float, path: str, device: str | None = None) -> None:
+    """Achieved bandwidth against context length, one panel per geometry and batch; each
+    method keeps its colour, pagedfuse's are squares and its forced-Triton runs dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab10").colors
 
     fig, axes = plt.subplots(len(GEOMETRIES), len(BATCHES), figsize=(15, 11), sharex=True,
                              squeeze=False)
@@ -339,18 +371,21 @@ def plot(rows: list[dict], bw: float, path: str) -> None:
         for j, batch in enumerate(BATCHES):
             ax = axes[i][j]
             sel = [r for r in rows if r["geo"] == geo and r["B"] == batch]
-            for name in METHOD_ORDER:
+            for k, name in enumerate(METHOD_ORDER):
                 pts = [(r["L"], r["floor"][name] * bw / 1e12) for r in sel
                        if r["us"].get(name)]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+                    ax.plot(*zip(*pts, strict=True), label=name,
+                            color=colours[k] if k < len(colours) else "black",
+                            marker="s" if "pagedfuse" in name else "o",
+                            ls="--" if name.endswith("Triton") else "-")
             ax.axhline(bw / 1e12, color="k", ls="--", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{gname} {geo}, B={batch}", fontsize=9)
             ax.set_ylabel("achieved TB/s (floor bytes / time)", fontsize=8)
             ax.set_xlabel("context length")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Paged decode on {torch.cuda.get_device_name()} "
+    fig.suptitle(f"Paged decode on {device or torch.cuda.get_device_name()} "
                  f"(dashed: copy bandwidth {bw / 1e12:.2f} TB/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -591,6 +626,8 @@ def main() -> None:
                         "native:bf16,int8_k,... for some cache formats), tiles, splits or "
                         "locality")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -602,13 +639,14 @@ def main() -> None:
     from tqdm import tqdm
 
     start = time.time()
+    full = not args.quick and (*args.batches,) == BATCHES and (*args.lengths,) == LENGTHS
     try:  # short, so before the table; a failure here must not cost the table
-        extra = "" if args.quick else split_check(bw) + host_overhead()
+        extra = split_check(bw) + host_overhead() if full else ""
     except Exception as exc:
         extra = f"\nSplit check / host cost failed: {exc!r}\n"
         print(extra, flush=True)
     compiled = compile_peers(flex=not args.no_flex)
-    batches, lengths = ((1, 8), (1536,)) if args.quick else (BATCHES, LENGTHS)
+    batches, lengths = ((1, 8), (1536,)) if args.quick else (args.batches, args.lengths)
     combos = [(g, b, n) for g in GEOMETRIES.values() for b in batches for n in lengths
               if _fits(g, b, n)]
     rows = []
@@ -620,8 +658,8 @@ def main() -> None:
         r = rows[-1]
         print(f"{geo} B={batch} L={length}: " + ", ".join(
             f"{s} {_fmt(r, m)}" for s, m in zip(SHORT, METHOD_ORDER, strict=True)), flush=True)
-        section = markdown(rows, bw, "python benchmarks/bench_decode.py --out ... --plot ...",
-                           time.time() - start) + extra
+        section = markdown(rows, bw, " ".join(["python benchmarks/bench_decode.py",
+                                               *sys.argv[1:]]), time.time() - start) + extra
         if args.out:  # rewritten after every case: a cut-short run keeps what it measured
             with open(args.out, "w") as f:
                 f.write(section)

@@ -48,4 +48,16 @@ def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                 BLOCK_SIZE=page)
     mask = paged.convert_logical_block_mask(logical)
     q, k, v = query[:, :, None], physical_pages(key_cache), physical_pages(value_cache)
-    return lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+    options = None if _power_of_two(query.shape[1] // key_cache.shape[2]) else NON_POW2_OPTIONS
+    return lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                        kernel_options=options)[:, :, 0]
+
+
+# FlexAttention's decode kernel packs a query-head group into one tile only when its size is a
+# power of two; other groups (qwen35's 6) take its general kernel, whose tiles must divide the
+# mask's blocks, here one page (16) for both the query and the keys.
+NON_POW2_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

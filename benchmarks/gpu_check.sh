@@ -2,8 +2,12 @@
 # One device call: build, GPU tests, compute-sanitizer memcheck of each kernel, the demo and
 # the transformers benchmark on CUDA, then the decode benchmark.
 #   benchmarks/gpu_check.sh          full: all of the above, plus the decode plot
+#   benchmarks/gpu_check.sh check    full without the decode benchmark (run that in a call of
+#                                    its own when its FlexAttention compiles need the time),
+#                                    then the sweeps named in SWEEP, if any
 #   benchmarks/gpu_check.sh tune     build, kernel tests, memcheck, tuning sweeps
-#                                    (SWEEP: native, tiles and/or splits; default native)
+#                                    (SWEEP: native, tiles and/or splits; default native;
+#                                    SWEEP="" for none)
 # Wheels under .whl/ (e.g. the transformers version the tests pin) are installed first into
 # /tmp/site, ahead of the image's packages. The tests, memcheck and the demo check
 # correctness only, so they run side by side; the two benchmarks run alone. Every part is
@@ -99,7 +103,7 @@ run_demo() {
     >"$OUT/demo.log" 2>&1
 }
 
-if [ "$MODE" = full ]; then
+if [ "$MODE" != tune ]; then
   echo "== pytest -m cuda (all tests), memcheck and the demo, side by side ($SECONDS s)"
   run_tests tests/ & tests_pid=$!
   run_memcheck & memcheck_pid=$!
@@ -122,11 +126,14 @@ else
   tail -15 "$OUT/pytest.log"
 fi
 
-if [ "$MODE" = tune ]; then
-  echo "== memcheck ($SECONDS s)"
-  run_memcheck || { echo "memcheck FAILED"; status=1; }
-  tail -6 "$OUT/memcheck.log"
-  for sweep in ${SWEEP:-native}; do
+if [ "$MODE" != full ]; then
+  if [ "$MODE" = tune ]; then
+    echo "== memcheck ($SECONDS s)"
+    run_memcheck || { echo "memcheck FAILED"; status=1; }
+    tail -6 "$OUT/memcheck.log"
+  fi
+  [ "$MODE" = tune ] && default_sweep=native || default_sweep=""
+  for sweep in ${SWEEP-$default_sweep}; do
     echo "== sweep $sweep ($SECONDS s)"
     timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
       --sweep "$sweep" 2>&1 | tee -a "$OUT/sweep.log" || status=1

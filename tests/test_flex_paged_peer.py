@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 flex_paged = pytest.importorskip("flex_paged")
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "page"), [(8, 2, 64, 16), (6, 6, 32, 4)])
+@pytest.mark.parametrize(("hq", "hkv", "d", "page"),
+                         [(8, 2, 64, 16), (6, 6, 32, 4), (6, 2, 32, 16)])  # groups 4, 1, 3
 def test_flex_peer_matches_the_reference(hq, hkv, d, page):
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.tensor([37, 1, 64, 50])

@@ -26,17 +26,20 @@
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes are free to permute, which picks the fragments so every operand is a
 // plain vector load from the staged tile: thread (g = lane / 4, t = lane % 4) reads K tokens
-// g + 8j, dims [t D/4, (t+1) D/4), and V tokens 4t..4t+3 of every 16, dims
-// [g D/8, (g+1) D/8).
+// g R..g R + R - 1 (R = kTile / 8, so a thread's P values of one head are adjacent), dims
+// [t D/4, (t+1) D/4), and V tokens 4t..4t+3 of every 16, dims [g D/8, (g+1) D/8).
 // P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256-512
-// bytes of shared memory per warp.
+// bytes of shared memory per warp, one word (8 bytes at head_dim 64 with 16-bit V) per head
+// and thread.
 //
 // INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
-// int8 (round half away from zero, like the Triton kernel), and the int32 result is scaled
-// back into the fp32 accumulator. 16-bit P·V: P is rounded to V's dtype (as FlashAttention
+// int8 (to nearest, ties to even, by adding 1.5 * 2^23 and keeping the low byte; the Triton
+// kernel rounds ties away from zero), and the int32 result is scaled back into the fp32
+// accumulator. 16-bit P·V: P is rounded to V's dtype (as FlashAttention
 // does) and the MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
 // softmax scale * log2(e) times the dot (INT8 K), or softmax scale * log2(e) times it, then
-// an exp2 online softmax.
+// an exp2 online softmax (ex2.approx.ftz: one instruction; scores are at most kLazyMax above
+// the running max, so nothing in range flushes).
 //
 // The online softmax rescales lazily: the running max moves only when a tile's max exceeds it
 // by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32, bf16 and fp16 and for
@@ -168,6 +171,36 @@ __device__ __forceinline__ void load_words(const int8_t* p, uint32_t* w) {
   }
 }
 
+// 2^x in one MUFU op (exp2f adds a denormal range fix around it); 2^-inf = 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Four values in [-127.5, 127.5], scaled by `inv`, rounded to nearest-even int8 and packed
+// (the first in the low byte): x * inv + 1.5 * 2^23 holds the rounded integer in its low
+// mantissa bits, in two's complement, so one FMA per value and three PRMT replace the
+// conversions.
+__device__ __forceinline__ uint32_t pack_int8x4(float x0, float x1, float x2, float x3,
+                                                float inv) {
+  const auto round = [inv](float x) { return __float_as_uint(__fmaf_rn(x, inv, 12582912.f)); };
+  return __byte_perm(__byte_perm(round(x0), round(x1), 0x0040),
+                     __byte_perm(round(x2), round(x3), 0x0040), 0x5410);
+}
+
+// Two values rounded to E and packed (the first in the low half).
+template <typename E>
+__device__ __forceinline__ uint32_t pack_16x2(float lo, float hi) {
+  if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+    const __nv_bfloat162 x = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&x);
+  } else {
+    const __half2 x = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&x);
+  }
+}
+
 __device__ __forceinline__ float warp_max_over_g(float x) {  // lanes with the same t
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
@@ -250,7 +283,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int KW = KR / 4, VW = VR / 4;  // ... in words
   constexpr int VD = D / 8;                // output dims per thread
   constexpr int KCH = D * T::kb / 16, VCH = D * T::vb / 16;  // 16-byte chunks per row
-  constexpr int ROWS = kTile / 8;  // K rows per thread: tokens g + 8j
+  constexpr int ROWS = kTile / 8;  // K rows per thread: tokens g ROWS + j
   constexpr int VTOK = kTile / 4;  // V rows per thread: tokens v_token(s)
   constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
   using Buf = TileBuf<D, KIND>;
@@ -258,7 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
   // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes (512 for 16-bit V
-  // at head_dim 64).
+  // at head_dim 64). A thread writes one word per head (two at head_dim 64, 16-bit V).
   __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -389,9 +422,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const Buf& buf = bufs[i % S];
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        load_words<KR, false>(&buf.k[g + 8 * j][t * KR], kw[j]);
-        ks[j] = kK8 ? buf.ks[g + 8 * j] : 1.f;
-        vs[j] = kV8 ? buf.vs[g + 8 * j] : 1.f;
+        load_words<KR, false>(&buf.k[g * ROWS + j][t * KR], kw[j]);
+        ks[j] = kK8 ? buf.ks[g * ROWS + j] : 1.f;  // adjacent: vector loads
+        vs[j] = kV8 ? buf.vs[g * ROWS + j] : 1.f;
       }
 #pragma unroll
       for (int s = 0; s < VTOK; ++s) {
@@ -403,7 +436,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const float vs_mine = kV8 ? vs_head[mine.vs] : 1.f;
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        const int src = g + 8 * j;
+        const int src = g * ROWS + j;
         const uint32_t k_row = __shfl_sync(0xffffffffu, mine.k, src);
         load_words<KR, true>(k_head + static_cast<size_t>(k_row) * 16 + t * KR, kw[j]);
         ks[j] = kK8 ? __shfl_sync(0xffffffffu, ks_mine, src) : 1.f;
@@ -416,7 +449,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
 
-    // S^T = K Q^T: m-tile mt holds tokens 16 mt + g (c0, c1) and 16 mt + g + 8 (c2, c3).
+    // S^T = K Q^T: m-tile mt holds tokens g ROWS + 2 mt (c0, c1) and g ROWS + 2 mt + 1 (c2,
+    // c3).
     float sc[ROWS][2];
 #pragma unroll
     for (int mt = 0; mt < ROWS / 2; ++mt) {
@@ -443,17 +477,26 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
 
-    // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P.
+    // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P. Only the
+    // last tile of a split has tokens past its end to mask (a warp-uniform branch).
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+      sc[j][0] *= qs[0] * ks[j];
+      sc[j][1] *= qs[1] * ks[j];
+    }
+    if (tile + kTile > kv_hi) {
+      const int rest = static_cast<int>(kv_hi - tile) - g * ROWS;  // this thread's tokens kept
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        if (j >= rest) sc[j][0] = sc[j][1] = -INFINITY;
+      }
+    }
     float tile_max[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        const bool keep = tile + g + 8 * j < kv_hi;
-        sc[j][h] = keep ? sc[j][h] * qs[h] * ks[j] : -INFINITY;
-        mx = fmaxf(mx, sc[j][h]);
-      }
+      for (int j = 0; j < ROWS; ++j) mx = fmaxf(mx, sc[j][h]);
       tile_max[h] = warp_max_over_g(mx);
     }
     const bool grow0 = tile_max[0] > m[0] + kLazyMax, grow1 = tile_max[1] > m[1] + kLazyMax;
@@ -461,7 +504,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool grow = h == 0 ? grow0 : grow1;
-        const float alpha = grow ? exp2f(m[h] - tile_max[h]) : 1.f;  // 0 from -inf
+        const float alpha = grow ? exp2_ftz(m[h] - tile_max[h]) : 1.f;  // 0 from -inf
         m[h] = grow ? tile_max[h] : m[h];
         l[h] *= alpha;
 #pragma unroll
@@ -475,7 +518,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       float psum = 0.f;
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        sc[j][h] = exp2f(sc[j][h] - m_use);
+        sc[j][h] = exp2_ftz(sc[j][h] - m_use);
         psum += sc[j][h];
       }
       l[h] += psum;  // per-thread partial; summed over g at the end
@@ -488,17 +531,19 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
         pmax = warp_max_over_g(pmax);
         const float inv = pmax > 0.f ? __fdividef(127.f, pmax) : 1.f;
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {  // |x| <= 127 (to a few ulp): the int8 cast is safe
-          const float x = sc[j][h] * inv;
-          reinterpret_cast<int8_t*>(p_row)[(2 * t + h) * kTile + g + 8 * j] =
-              static_cast<int8_t>(static_cast<int>(x + copysignf(0.5f, x)));
-        }
+        static_assert(ROWS == 4, "INT8 V: a thread's 4 tokens of a head fill one word");
+        // |x| <= 127 (to a few ulp): every value rounds into int8
+        reinterpret_cast<uint32_t*>(p_row)[(2 * t + h) * (kTile / 4) + g] =
+            pack_int8x4(sc[0][h], sc[1][h], sc[2][h], sc[3][h], inv);
         p_step[h] = pmax > 0.f ? pmax * (1.f / 127.f) : 1.f;
       } else {
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          reinterpret_cast<E*>(p_row)[(2 * t + h) * kTile + g + 8 * j] = to_out<E>(sc[j][h]);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(p_row) + ((2 * t + h) * kTile + g * ROWS) / 2;
+        if constexpr (ROWS == 4) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16x2<E>(sc[0][h], sc[1][h]),
+                                                      pack_16x2<E>(sc[2][h], sc[3][h]));
+        } else {
+          static_assert(ROWS == 2, "16-bit V: tiles of 16 or 32 tokens");
+          *dst = pack_16x2<E>(sc[0][h], sc[1][h]);
         }
       }
     }
