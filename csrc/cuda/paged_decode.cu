@@ -247,6 +247,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Copies a tile's rows from one head of a cache into `dst` (R rows of W bytes): the rows'
+// 16-byte chunks go row-major over the warp, so consecutive lanes read consecutive chunks
+// of a row. `at` is this lane's token's row offset in 16-byte units (lane L located token
+// L), shuffled to the lanes that copy that row.
+template <int R, int W>
+__device__ __forceinline__ void cp_async_rows(int8_t (&dst)[R][W], const int8_t* head,
+                                              uint32_t at, int lane) {
+  constexpr int kChunks = W / 16;  // per row
+  static_assert(W % 16 == 0 && 32 % kChunks == 0 && R * kChunks % 32 == 0, "row chunks");
+  const int8_t* col = head + (lane % kChunks) * 16;
+#pragma unroll
+  for (int c = 0; c < R * kChunks / 32; ++c) {
+    const int row = c * (32 / kChunks) + lane / kChunks;
+    const uint32_t src = __shfl_sync(0xffffffffu, at, row);
+    cp_async16(&dst[row][(lane % kChunks) * 16], col + static_cast<size_t>(src) * 16);
+  }
+}
+
 // One warp's tile in shared memory: the tile's rows of K and of V (bytes), and their scales.
 template <int D, int KIND>
 struct TileBuf {
@@ -282,7 +300,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int VR = D * T::vb / 8;  // V bytes per row per thread (dims [g D/8, (g+1) D/8))
   constexpr int KW = KR / 4, VW = VR / 4;  // ... in words
   constexpr int VD = D / 8;                // output dims per thread
-  constexpr int KCH = D * T::kb / 16, VCH = D * T::vb / 16;  // 16-byte chunks per row
   constexpr int ROWS = kTile / 8;  // K rows per thread: tokens g ROWS + j
   constexpr int VTOK = kTile / 4;  // V rows per thread: tokens v_token(s)
   constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
@@ -364,29 +381,15 @@ __global__ void __launch_bounds__(kWarps * 32)
   auto locate_lane = [&](int i) {  // lane L: token L of tile i (L mod kTile)
     return locate(first + static_cast<int64_t>(i) * kCtaTokens + lane % kTile);
   };
-  // Copies tile i into its stage: lane L fetches row L's scales; the K/V chunks go row-major
-  // over the warp (consecutive lanes read consecutive 16 bytes of a row), each row's offset
-  // shuffled from the lane that located it.
-  const int8_t* k_col = k_head + (lane % KCH) * 16;
-  const int8_t* v_col = v_head + (lane % VCH) * 16;
+  // Copies tile i into its stage: lane L fetches row L's scales, then the K and V rows.
   auto issue = [&](int i, TokenAt at) {
     Buf& buf = bufs[S > 0 ? i % S : 0];
     if constexpr (kK8) {
       if (lane < kTile) cp_async4(&buf.ks[lane], ks_head + at.ks);
     }
     if constexpr (kV8) cp_async4(&buf.vs[lane], vs_head + at.vs);
-#pragma unroll
-    for (int c = 0; c < kTile * KCH / 32; ++c) {
-      const int row = c * (32 / KCH) + lane / KCH;
-      const uint32_t k_row = __shfl_sync(0xffffffffu, at.k, row);
-      cp_async16(&buf.k[row][(lane % KCH) * 16], k_col + static_cast<size_t>(k_row) * 16);
-    }
-#pragma unroll
-    for (int c = 0; c < kTile * VCH / 32; ++c) {
-      const int row = c * (32 / VCH) + lane / VCH;
-      const uint32_t v_row = __shfl_sync(0xffffffffu, at.v, row);
-      cp_async16(&buf.v[row][(lane % VCH) * 16], v_col + static_cast<size_t>(v_row) * 16);
-    }
+    cp_async_rows(buf.k, k_head, at.k, lane);
+    cp_async_rows(buf.v, v_head, at.v, lane);
   };
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
