@@ -13,6 +13,8 @@ same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
     python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality
+    python benchmarks/bench_decode.py --replot benchmarks/RESULTS.md --section "Call 26" \
+        --plot decode_bandwidth.png                    # redraw a recorded table, no GPU
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import datetime
 import math
 import platform
+import re
 import sys
 import time
 import traceback
@@ -28,13 +31,18 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
-from pagedfuse.ops import cuda as pf_cuda
+
+try:  # timing needs Triton and pagedfuse's CUDA kernels; --replot runs without them
+    import triton
+    import triton.testing
+
+    from pagedfuse.ops import cuda as pf_cuda
+except ImportError:
+    triton = pf_cuda = None
 
 GEOMETRIES = {"qwen35": (24, 4, 256), "tinyllama": (32, 4, 64), "llama3_8b": (32, 8, 128)}
 BATCHES = (1, 8, 64)
@@ -384,11 +392,54 @@ def plot(rows: list[dict], bw: float, path: str, device: str | None = None) -> N
             ax.set_title(f"{gname} {geo}, B={batch}", fontsize=9)
             ax.set_ylabel("achieved TB/s (floor bytes / time)", fontsize=8)
             ax.set_xlabel("context length")
-    axes[0][0].legend(fontsize=7)
+    handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat),
+                          key=lambda hl: len(hl[1]))  # the panel with the most methods
+    axes[0][0].legend(handles, labels, fontsize=7)
     fig.suptitle(f"Paged decode on {device or torch.cuda.get_device_name()} "
                  f"(dashed: copy bandwidth {bw / 1e12:.2f} TB/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def rows_from_markdown(text: str) -> list[dict]:
+    """The rows of the first decode table in ``text`` (as markdown() wrote it, any version of
+    its columns), with what plot() reads: each method's µs and printed floor fraction."""
+    names = dict(zip(SHORT, METHOD_ORDER, strict=True))
+    columns, rows = None, []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:3] == ["geometry", "B", "L"]:
+            columns = cells
+        elif columns and cells[0] in GEOMETRIES:
+            row = {"geo": GEOMETRIES[cells[0]], "B": int(cells[1]), "L": int(cells[2]),
+                   "us": {}, "floor": {}}
+            for short, cell in zip(columns, cells, strict=True):
+                found = re.match(r"([\d.]+) \((\d+)%\)", cell)
+                if short in names and found:
+                    row["us"][names[short]] = float(found[1])
+                    row["floor"][names[short]] = int(found[2]) / 100
+            rows.append(row)
+        elif rows:
+            break
+    return rows
+
+
+def replot(path: str, section: str, out: str) -> list[dict]:
+    """Redraws the plot of the first decode table after the first line of ``path`` that
+    contains ``section``, with the bandwidth and the GPU that section recorded; returns the
+    rows drawn."""
+    lines = open(path).read().splitlines()
+    start = next((i for i, line in enumerate(lines) if section in line), None)
+    if start is None:
+        raise ValueError(f"no line of {path} contains {section!r}")
+    text = "\n".join(lines[start:])
+    bw = float(re.search(r"measured in the same run: ([\d.]+) TB/s", text)[1]) * 1e12
+    heading = next((line for line in reversed(lines[:start + 1]) if line.startswith("## ")),
+                   "")
+    device = re.search(r"\(\d{4}-\d\d-\d\d[^,]*, ([^,]+),", heading)
+    rows = rows_from_markdown(text)
+    plot(rows, bw, out, device[1] if device else "GPU")
+    return rows
 
 
 INT8_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
@@ -629,7 +680,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument("--replot", metavar="MARKDOWN", help="redraw --plot from a table "
+                        "this script wrote, in MARKDOWN after --section; needs no GPU")
+    parser.add_argument("--section", default="## GPU decode",
+                        help="text of a line before the table --replot draws")
     args = parser.parse_args()
+    if args.replot:
+        replot(args.replot, args.section, args.plot)
+        return
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
