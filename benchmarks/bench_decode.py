@@ -295,9 +295,12 @@ def _fmt(row: dict, name: str) -> str:
     return f"{us:.1f} ({100 * row['floor'][name]:.0f}%){backend}"
 
 
+def geometry_name(geo: tuple[int, int, int]) -> str:
+    return next(k for k, v in GEOMETRIES.items() if v == geo)
+
+
 def _case_name(row: dict) -> str:
-    geo = next(k for k, v in GEOMETRIES.items() if v == row["geo"])
-    return f"{geo} B={row['B']} L={row['L']}"
+    return f"{geometry_name(row['geo'])} B={row['B']} L={row['L']}"
 
 
 def _ratio(row: dict, name: str) -> str:
@@ -334,7 +337,7 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
         "|" + "---|" * (4 + len(SHORT) + len(RATIOS) + 3),
     ]
     for r in rows:
-        name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
+        name = geometry_name(r["geo"])
         lines.append(
             f"| {name} | {r['B']} | {r['L']} | {r['kv_gb']:.2f} | "
             + " | ".join(_fmt(r, m) for m in METHOD_ORDER) + " | "
@@ -353,7 +356,7 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
               "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
               "host overhead shows where it exceeds the GPU time:", ""]
     for r in rows:
-        name = next(k for k, v in GEOMETRIES.items() if v == r["geo"])
+        name = geometry_name(r["geo"])
         cudnn = r.get("cudnn_us")
         vs = (f" vs cuDNN {cudnn:.1f} ({r['us']['pagedfuse bf16'] / cudnn:.2f}x)"
               if cudnn and r["us"].get("pagedfuse bf16") else "")
@@ -677,8 +680,11 @@ def main() -> None:
                         "native:bf16,int8_k,... for some cache formats), tiles, splits or "
                         "locality")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
-    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                        help="the table's batch sizes (the split check and host cost run "
+                        "only for the full grid)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS,
+                        help="the table's context lengths")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--replot", metavar="MARKDOWN", help="redraw --plot from a table "
                         "this script wrote, in MARKDOWN after --section; needs no GPU")
@@ -686,6 +692,8 @@ def main() -> None:
                         help="text of a line before the table --replot draws")
     args = parser.parse_args()
     if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot")
         replot(args.replot, args.section, args.plot)
         return
     torch.manual_seed(0)

@@ -19,8 +19,7 @@ def _table(columns: list[str], rows: list[dict]) -> str:
     head = ["geometry", "B", "L", "KV GB", *(short[m] for m in columns), "pf err"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        geo = next(k for k, v in bench_decode.GEOMETRIES.items() if v == r["geo"])
-        cells = [geo, str(r["B"]), str(r["L"]), "1.00",
+        cells = [bench_decode.geometry_name(r["geo"]), str(r["B"]), str(r["L"]), "1.00",
                  *(bench_decode._fmt(r, m) for m in columns), "1.0e-03"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\nnot a table row\n"
