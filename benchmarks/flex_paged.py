@@ -14,6 +14,15 @@ import torch
 from torch.nn.attention.experimental._paged_attention import PagedAttention
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+# FlexAttention's decode kernel packs a query-head group into one tile only when its size is a
+# power of two; other groups (qwen35's 6) take its general kernel, whose tiles must divide the
+# mask's blocks, here one page (16) for both the query and the keys.
+NON_POW2_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
 
 def physical_pages(cache: torch.Tensor) -> torch.Tensor:
     """[blocks, page, Hkv, D] NHD cache -> [1, Hkv, blocks * page, D], a view: a block's
@@ -52,12 +61,3 @@ def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                         kernel_options=options)[:, :, 0]
 
-
-# FlexAttention's decode kernel packs a query-head group into one tile only when its size is a
-# power of two; other groups (qwen35's 6) take its general kernel, whose tiles must divide the
-# mask's blocks, here one page (16) for both the query and the keys.
-NON_POW2_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 16}
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
