@@ -685,6 +685,8 @@ def main() -> None:
                         "only for the full grid)")
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS,
                         help="the table's context lengths")
+    parser.add_argument("--geos", nargs="+", choices=list(GEOMETRIES),
+                        help="only these geometries, in the table or a sweep")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--replot", metavar="MARKDOWN", help="redraw --plot from a table "
                         "this script wrote, in MARKDOWN after --section; needs no GPU")
@@ -696,6 +698,8 @@ def main() -> None:
             parser.error("--replot needs --plot")
         replot(args.replot, args.section, args.plot)
         return
+    for name in set(GEOMETRIES) - set(args.geos or GEOMETRIES):
+        del GEOMETRIES[name]
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -705,7 +709,8 @@ def main() -> None:
     from tqdm import tqdm
 
     start = time.time()
-    full = not args.quick and (*args.batches,) == BATCHES and (*args.lengths,) == LENGTHS
+    full = (not args.quick and not args.geos and (*args.batches,) == BATCHES
+            and (*args.lengths,) == LENGTHS)
     try:  # short, so before the table; a failure here must not cost the table
         extra = split_check(bw) + host_overhead() if full else ""
     except Exception as exc:

@@ -41,11 +41,12 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 $PY -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tail -1
 
 echo "== build ($SECONDS s)"
-if ! timeout "$(limit 150)" $PY -m pip install --no-build-isolation --no-deps -e . \
+if ! timeout "$(limit 150)" $PY -m pip install -v --no-build-isolation --no-deps -e . \
     >"$OUT/build.log" 2>&1; then
   echo "BUILD FAILED (see build.log)"; tail -20 "$OUT/build.log"; status=1
 fi
-grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -12
+grep -E "spill|registers" "$OUT/build.log" | paste - - | grep -v "0 bytes spill stores" \
+  | head -8  # variants that spill
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch; from pagedfuse.ops import cuda_native as n; \
 print('CUDA C++ decode available:', n.decode_available(torch.device('cuda')))"
@@ -90,6 +91,12 @@ for spec, kw in cases:
     case = make_case(**spec)
     case["block_table"][0, 0] = 10**6  # clamped inside the kernel, never read out of bounds
     run_kernel(case, **kw)
+from pagedfuse.ops import cuda
+for kind, spec in (("int8_kv", dict(kv_int8="kv")), ("int8_k", dict(kv_int8="k")), ("half", {})):
+    case = make_case(batch=3, hq=12, hkv=2, d=128, seq_lens=[300, 45, 1], **spec)
+    case["block_table"][0, 0] = 10**6
+    run_kernel(case, max_query_len=1, splits=2, native=True,  # the 1-stage pipeline
+               config=cuda.native_config(kind, 128, torch.device("cuda"), 1))
 torch.ops.pagedfuse.quantize_int8(torch.randn(5, 7, 128, device="cuda"))
 torch.cuda.synchronize()
 print("memcheck cases ran")

@@ -18,16 +18,20 @@
 // faster for llama3_8b at B=64 than sequences fastest); each warp walks its own tiles of
 // kTile tokens (Traits) with its own online softmax, and the CTA merges the 4 warps at the
 // end.
-// Each warp streams its tiles through a cp.async pipeline in shared memory (1-2 tiles in
-// flight while it computes one), or loads them straight into registers (stages 0). The
+// Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
+// tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
+// stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. Or
+// (S = 0) each tile loads straight into registers as it starts. The
 // query heads of the group are the N = 8 columns of both MMAs (m16n8k32.s8 for 8-bit
 // operands, m16n8k16 for 16-bit ones):
 //   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = head dims
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes are free to permute, which picks the fragments so every operand is a
 // plain vector load from the staged tile: thread (g = lane / 4, t = lane % 4) reads K tokens
-// g R..g R + R - 1 (R = kTile / 8, so a thread's P values of one head are adjacent), dims
-// [t D/4, (t+1) D/4), and V tokens 4t..4t+3 of every 16, dims [g D/8, (g+1) D/8).
+// g R..g R + R - 1 (R = kTile / 8, so a thread's P values of one head are adjacent), the
+// 16-byte chunks t, t + 4, t + 8, ... of their rows (and of its query row), and V tokens
+// 4t..4t+3 of every 16, dims [g D/8, (g+1) D/8). The staged rows' chunks are XOR-swizzled
+// (Staged) so that each of these reads meets every shared-memory bank once.
 // P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256-512
 // bytes of shared memory per warp, one word (8 bytes at head_dim 64 with 16-bit V) per head
 // and thread.
@@ -81,6 +85,8 @@ struct Traits {
   static constexpr int kb = KIND == kHalf ? 2 : 1;
   static constexpr int vb = KIND == kInt8KV ? 1 : 2;
   static constexpr int tile = KIND == kInt8KV || D == 64 ? 32 : 16;
+  static constexpr int rows = tile / 8;                          // K rows per thread
+  static constexpr int vc = D * vb / 8 >= 16 ? D * vb / 128 : 1;  // V chunks per thread
 };
 
 struct Args {
@@ -152,17 +158,14 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&
   u[3] = __byte_perm(x1, y1, 0x7632);
 }
 
-// NB bytes (16-byte multiples, or 8; p aligned to that) into NB / 4 words, from global
-// memory through the read-only path (kGlobal) or from shared memory.
+// NB = 16 or 8 bytes (p aligned to that) into NB / 4 words, from global memory through the
+// read-only path (kGlobal) or from shared memory.
 template <int NB, bool kGlobal>
-__device__ __forceinline__ void load_words(const int8_t* p, uint32_t* w) {
-  if constexpr (NB % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < NB / 16; ++i) {
-      const uint4* src = reinterpret_cast<const uint4*>(p) + i;
-      const uint4 x = kGlobal ? __ldg(src) : *src;
-      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-    }
+__device__ __forceinline__ void load_chunk(const int8_t* p, uint32_t* w) {
+  if constexpr (NB == 16) {
+    const uint4* src = reinterpret_cast<const uint4*>(p);
+    const uint4 x = kGlobal ? __ldg(src) : *src;
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
   } else {
     static_assert(NB == 8, "unsupported row chunk");
     const uint2* src = reinterpret_cast<const uint2*>(p);
@@ -247,21 +250,58 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Copies a tile's rows from one head of a cache into `dst` (R rows of W bytes): the rows'
-// 16-byte chunks go row-major over the warp, so consecutive lanes read consecutive chunks
-// of a row. `at` is this lane's token's row offset in 16-byte units (lane L located token
-// L), shuffled to the lanes that copy that row.
-template <int R, int W>
-__device__ __forceinline__ void cp_async_rows(int8_t (&dst)[R][W], const int8_t* head,
-                                              uint32_t at, int lane) {
-  constexpr int kChunks = W / 16;  // per row
-  static_assert(W % 16 == 0 && 32 % kChunks == 0 && R * kChunks % 32 == 0, "row chunks");
+// Where 16-byte chunk c of row r of a staged K or V tile (rows of W bytes) lies, in bytes
+// from the tile's start. The layout lets every fragment read meet each of the 32 banks (4
+// bytes wide, 128 bytes around) once, where plain rows met some banks 2-8 times:
+//   K (kV false): the 8 lanes of a 16-byte read are the t of a g pair, reading chunks
+//     t + 4i of a row of g and one of g + 1: chunk bit 2 flips with g's parity.
+//   V (kV true): they are the t of a g pair, reading chunks g kVChunks + i of the rows of the
+//     4 t (row bits 2-3): t moves the chunk's bank group by the bits other than kVChunks's.
+// 64-byte rows (8-bit head_dim 64) lie two to 128 bytes of banks, so every 4 rows are
+// followed by a 64-byte gap: rows 4 apart fall in opposite halves, and V chunks flip bit 1
+// with row bit 3.
+// The XOR depends on a row's g (K) or t (V) only, so a thread's reads are a base per chunk
+// plus gap(rows) (from a row that is a multiple of 4), an immediate offset.
+template <int W, bool kV, int kRowsPerG, int kVChunks>
+struct Staged {
+  static constexpr int kChunks = W / 16;
+  static constexpr bool kGaps = kChunks == 4;
+  static_assert(kChunks >= 8 || kGaps, "rows of 64 bytes or of 128 and more");
+  static_assert(kV ? kVChunks == 1 || kVChunks == 2 || kVChunks == 4 : kRowsPerG >= 2,
+                "fragment reads this layout serves");
+  __host__ __device__ static constexpr int gap(int rows) {
+    return kGaps ? (rows + rows / 4) * W : rows * W;
+  }
+  __host__ __device__ static constexpr int bytes(int rows) { return gap(rows); }
+  __device__ __forceinline__ static int at(int r, int c) {
+    int f;
+    if constexpr (kGaps) {
+      f = kV ? ((r >> 3) & 1) << 1 : 0;
+    } else if constexpr (!kV) {
+      f = ((r / kRowsPerG) & 1) << 2;
+    } else {
+      const int t = (r >> 2) & 3;
+      f = kVChunks == 1 ? t << 1 : kVChunks == 2 ? (t & 1) | ((t & 2) << 1) : t;
+    }
+    return (kGaps ? (r + r / 4) * W : r * W) + ((c ^ f) << 4);
+  }
+};
+
+// Copies a tile's R rows from one head of a cache into `dst`, chunk c of row r at
+// Layout::at(r, c): the rows' 16-byte chunks go row-major over the warp, so consecutive lanes
+// read consecutive chunks of a row. `at` is this lane's token's row offset in 16-byte units
+// (lane L located token L), shuffled to the lanes that copy that row.
+template <int R, typename Layout>
+__device__ __forceinline__ void cp_async_rows(int8_t* dst, const int8_t* head, uint32_t at,
+                                              int lane) {
+  constexpr int kChunks = Layout::kChunks;  // per row
+  static_assert(32 % kChunks == 0 && R * kChunks % 32 == 0, "row chunks");
   const int8_t* col = head + (lane % kChunks) * 16;
 #pragma unroll
   for (int c = 0; c < R * kChunks / 32; ++c) {
     const int row = c * (32 / kChunks) + lane / kChunks;
     const uint32_t src = __shfl_sync(0xffffffffu, at, row);
-    cp_async16(&dst[row][(lane % kChunks) * 16], col + static_cast<size_t>(src) * 16);
+    cp_async16(dst + Layout::at(row, lane % kChunks), col + static_cast<size_t>(src) * 16);
   }
 }
 
@@ -269,8 +309,10 @@ __device__ __forceinline__ void cp_async_rows(int8_t (&dst)[R][W], const int8_t*
 template <int D, int KIND>
 struct TileBuf {
   using T = Traits<KIND, D>;
-  int8_t k[T::tile][D * T::kb];
-  int8_t v[T::tile][D * T::vb];
+  using KAt = Staged<D * T::kb, false, T::rows, T::vc>;  // where the K and V chunks lie
+  using VAt = Staged<D * T::vb, true, T::rows, T::vc>;
+  int8_t k[KAt::bytes(T::tile)];
+  int8_t v[VAt::bytes(T::tile)];
   float ks[T::tile];
   float vs[T::tile];
 };
@@ -284,26 +326,33 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return pipeline > merge ? pipeline : merge;
 }
 
-// S: the tiles of a warp's cp.async pipeline (S - 1 in flight while one is computed), or 0:
-// no pipeline, each thread loads its fragments of the tile straight from global memory into
-// registers at the tile's start (fewer warps fit, each with one tile in flight; loading the
-// next tile into the registers the last one freed measured slower on the H200, since the
+// S: the stages of a warp's cp.async pipeline (S tiles in flight while one is computed), or
+// 0: no pipeline, each thread loads its fragments of the tile straight from global memory
+// into registers at the tile's start (nothing in flight during the math; loading the next
+// tile into the registers the last one freed measured slower on the H200, since the
 // registers it holds cost a CTA per SM). E: the output dtype, also the query's, and the
-// 16-bit cache's.
+// 16-bit cache's. At least 1 CTA per SM (rather than no bound) leaves ptxas free with
+// registers (head_dim 128 INT8 K+V: 196, so 2 CTAs per SM), which on the H200 measured up
+// to 4% faster for the INT8 kinds than builds held to 3 CTAs at head_dim 128 and 5 at 8-bit
+// head_dim 64, and as fast for 16-bit caches (benchmarks/NOTES-gpu.md, call 31).
 template <int D, int S, int KIND, typename E>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, 1)
     paged_decode_kernel(const Args a) {
   using T = Traits<KIND, D>;
   constexpr bool kK8 = KIND != kHalf, kV8 = KIND == kInt8KV;
   constexpr int kTile = T::tile, kCtaTokens = kWarps * kTile;  // split chunks: multiples
-  constexpr int KR = D * T::kb / 4;  // K bytes per row per thread (dims [t D/4, (t+1) D/4))
+  constexpr int KR = D * T::kb / 4;  // K bytes per row per thread (its chunks t + 4i)
   constexpr int VR = D * T::vb / 8;  // V bytes per row per thread (dims [g D/8, (g+1) D/8))
   constexpr int KW = KR / 4, VW = VR / 4;  // ... in words
-  constexpr int VD = D / 8;                // output dims per thread
-  constexpr int ROWS = kTile / 8;  // K rows per thread: tokens g ROWS + j
+  constexpr int KC = KR / 16;   // K chunks per row per thread
+  constexpr int VC = T::vc;     // V chunks per row per thread (VR = 8: half of one)
+  constexpr int VD = D / 8;     // output dims per thread
+  constexpr int ROWS = T::rows;  // K rows per thread: tokens g ROWS + j
   constexpr int VTOK = kTile / 4;  // V rows per thread: tokens v_token(s)
   constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
   using Buf = TileBuf<D, KIND>;
+  using KAt = typename Buf::KAt;
+  using VAt = typename Buf::VAt;
 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
@@ -347,7 +396,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (g < group) {
     const int8_t* q_row = static_cast<const int8_t*>(a.q) +
                           (token * a.q_stride_t + (head0 + g) * D) * T::kb;
-    load_words<KR, true>(q_row + t * KR, qf);
+#pragma unroll
+    for (int c = 0; c < KC; ++c) load_chunk<16, true>(q_row + (t + 4 * c) * 16, qf + 4 * c);
   } else {
 #pragma unroll
     for (int i = 0; i < KW; ++i) qf[i] = 0;
@@ -388,8 +438,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (lane < kTile) cp_async4(&buf.ks[lane], ks_head + at.ks);
     }
     if constexpr (kV8) cp_async4(&buf.vs[lane], vs_head + at.vs);
-    cp_async_rows(buf.k, k_head, at.k, lane);
-    cp_async_rows(buf.v, v_head, at.v, lane);
+    cp_async_rows<kTile, KAt>(buf.k, k_head, at.k, lane);
+    cp_async_rows<kTile, VAt>(buf.v, v_head, at.v, lane);
   };
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -399,15 +449,25 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int i = 0; i < VD; ++i) o[h][i] = 0.f;
 
-  // Prologue: S - 1 tiles in flight, and the block ids of the next one loaded.
+  // Prologue: the first S tiles in flight, and the rows of the next one located.
   TokenAt next_at{};
   if constexpr (S > 0) {
 #pragma unroll
-    for (int i = 0; i < S - 1; ++i) {
+    for (int i = 0; i < S; ++i) {
       if (i < num_tiles) issue(i, locate_lane(i));
       cp_async_commit();  // empty groups keep the wait count uniform
     }
-    if (num_tiles > 0) next_at = locate_lane(S - 1);  // else no table row to read
+    if (num_tiles > 0) next_at = locate_lane(S);  // else no table row to read
+  }
+
+  // This thread's reads of a staged tile, from its first rows: K chunks t + 4c of row g ROWS,
+  // V chunks g VC + c of row 4t (8 bytes at VR = 8: half of chunk g / 2).
+  int k_frag[KC], v_frag[VC];
+#pragma unroll
+  for (int c = 0; c < KC; ++c) k_frag[c] = KAt::at(g * ROWS, t + 4 * c);
+#pragma unroll
+  for (int c = 0; c < VC; ++c) {
+    v_frag[c] = VR < 16 ? VAt::at(4 * t, g / 2) + (g % 2) * 8 : VAt::at(4 * t, g * VC + c);
   }
 
   unsigned char* p_row = s_p[warp];
@@ -417,21 +477,26 @@ __global__ void __launch_bounds__(kWarps * 32)
     uint32_t kw[ROWS][KW], vw[VTOK][VW];
     float ks[ROWS], vs[ROWS];  // 1 where the cache has no scales
     if constexpr (S > 0) {
-      if (i + S - 1 < num_tiles) issue(i + S - 1, next_at);
-      cp_async_commit();
-      next_at = locate_lane(i + S);  // its latency hides behind this tile's math
-      cp_async_wait<S - 1>();   // tile i has landed (this lane's copies) ...
-      __syncwarp();             // ... and every lane's
+      cp_async_wait<S - 1>();  // tile i has landed (this lane's copies) ...
+      __syncwarp();            // ... and every lane's
       const Buf& buf = bufs[i % S];
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        load_words<KR, false>(&buf.k[g * ROWS + j][t * KR], kw[j]);
+#pragma unroll
+        for (int c = 0; c < KC; ++c) {
+          load_chunk<16, false>(buf.k + k_frag[c] + KAt::gap(j), kw[j] + 4 * c);
+        }
         ks[j] = kK8 ? buf.ks[g * ROWS + j] : 1.f;  // adjacent: vector loads
         vs[j] = kV8 ? buf.vs[g * ROWS + j] : 1.f;
       }
 #pragma unroll
       for (int s = 0; s < VTOK; ++s) {
-        load_words<VR, false>(&buf.v[v_token(s)][g * VR], vw[s]);
+        const int rows = v_token(s) - 4 * t;  // past row 4t
+#pragma unroll
+        for (int c = 0; c < VC; ++c) {
+          load_chunk<(VR < 16 ? VR : 16), false>(buf.v + v_frag[c] + VAt::gap(rows),
+                                                 vw[s] + 4 * c);
+        }
       }
     } else {  // each lane locates its own token; the rows' offsets and scales are shuffled
       const TokenAt mine = locate_lane(i);
@@ -441,14 +506,22 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int j = 0; j < ROWS; ++j) {
         const int src = g * ROWS + j;
         const uint32_t k_row = __shfl_sync(0xffffffffu, mine.k, src);
-        load_words<KR, true>(k_head + static_cast<size_t>(k_row) * 16 + t * KR, kw[j]);
+        const int8_t* k_src = k_head + static_cast<size_t>(k_row) * 16;
+#pragma unroll
+        for (int c = 0; c < KC; ++c) load_chunk<16, true>(k_src + (t + 4 * c) * 16, kw[j] + 4 * c);
         ks[j] = kK8 ? __shfl_sync(0xffffffffu, ks_mine, src) : 1.f;
         vs[j] = kV8 ? __shfl_sync(0xffffffffu, vs_mine, src) : 1.f;
       }
 #pragma unroll
       for (int s = 0; s < VTOK; ++s) {
         const uint32_t v_row = __shfl_sync(0xffffffffu, mine.v, v_token(s));
-        load_words<VR, true>(v_head + static_cast<size_t>(v_row) * 16 + g * VR, vw[s]);
+        const int8_t* v_src = v_head + static_cast<size_t>(v_row) * 16 + g * VR;
+        if constexpr (VR == 8) {
+          load_chunk<8, true>(v_src, vw[s]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < VC; ++c) load_chunk<16, true>(v_src + 16 * c, vw[s] + 4 * c);
+        }
       }
     }
 
@@ -478,6 +551,15 @@ __global__ void __launch_bounds__(kWarps * 32)
         sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
         sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
       }
+    }
+
+    // Tile i is in registers, and its K fragments are spent: its stage takes tile i + S,
+    // whose latency then hides behind the rest of this tile's math.
+    if constexpr (S > 0) {
+      __syncwarp();  // every lane has read its part of the stage
+      if (i + S < num_tiles) issue(i + S, next_at);
+      cp_async_commit();
+      next_at = locate_lane(i + S + 1);
     }
 
     // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P. Only the
@@ -665,13 +747,13 @@ cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid,
                           cudaStream_t stream, int* resident) {
   switch (head_dim * 16 + stages) {
     case 64 * 16 + 0: return run_variant<64, 0, KIND, E>(a, grid, stream, resident);
+    case 64 * 16 + 1: return run_variant<64, 1, KIND, E>(a, grid, stream, resident);
     case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, stream, resident);
     case 128 * 16 + 0: return run_variant<128, 0, KIND, E>(a, grid, stream, resident);
+    case 128 * 16 + 1: return run_variant<128, 1, KIND, E>(a, grid, stream, resident);
     case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, stream, resident);
-    case 128 * 16 + 3:
-      if constexpr (KIND == kInt8KV) return run_variant<128, 3, KIND, E>(a, grid, stream, resident);
-      return cudaErrorInvalidValue;
     case 256 * 16 + 0: return run_variant<256, 0, KIND, E>(a, grid, stream, resident);
+    case 256 * 16 + 1: return run_variant<256, 1, KIND, E>(a, grid, stream, resident);
     case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, stream, resident);
     default: return cudaErrorInvalidValue;
   }

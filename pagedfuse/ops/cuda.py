@@ -49,15 +49,15 @@ def launch_config(int8_k: bool) -> LaunchConfig:
 # kind -> head_dim -> the CUDA C++ decode's default pipeline depth, the fastest on the H200
 # with the wave split rule (benchmarks/NOTES-gpu.md): 0 loads straight to registers.
 NATIVE_STAGES = {
-    "int8_kv": {64: 0, 128: 2, 256: 0},
-    "int8_k": {64: 0, 128: 2, 256: 2},
-    "half": {64: 2, 128: 2, 256: 0},
+    "int8_kv": {64: 0, 128: 1, 256: 1},
+    "int8_k": {64: 0, 128: 1, 256: 1},
+    "half": {64: 1, 128: 1, 256: 1},
 }
-# kind -> the head dims whose decode calls take the CUDA C++ kernel by default. For bf16
-# head_dim 128 and 256 the Triton kernel measured as fast or faster on the H200 (128: within
-# 1% at B >= 8 and L >= 8192, 4-12% faster at B=1 and short contexts; 256: 1-14% faster;
-# benchmarks/RESULTS.md), so it keeps them.
-NATIVE_BY_DEFAULT = {"int8_kv": {64, 128, 256}, "int8_k": {64, 128, 256}, "half": {64}}
+# kind -> the head dims whose decode calls take the CUDA C++ kernel by default: all of them
+# since its staged tiles are read without bank conflicts (bf16 at B >= 8 on the H200: 2-14%
+# faster than the Triton kernel; benchmarks/RESULTS.md, calls 30-32).
+NATIVE_BY_DEFAULT = {"int8_kv": {64, 128, 256}, "int8_k": {64, 128, 256},
+                     "half": {64, 128, 256}}
 
 
 def native_config(kind: str, head_dim: int, device: torch.device,

@@ -22,9 +22,9 @@ KINDS = ("int8_kv", "int8_k", "half")
 # kind -> head_dim -> the pipeline depths built (0: no pipeline, loads straight to
 # registers); the launcher's switch lists the same.
 DECODE_STAGES = {
-    "int8_kv": {64: (0, 2), 128: (0, 2, 3), 256: (0, 2)},
-    "int8_k": {64: (0, 2), 128: (0, 2), 256: (0, 2)},
-    "half": {64: (0, 2), 128: (0, 2), 256: (0, 2)},
+    "int8_kv": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
+    "int8_k": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
+    "half": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
 }
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 WARPS = 4  # per CTA, each on its own tiles
