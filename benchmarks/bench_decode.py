@@ -352,17 +352,17 @@ def markdown(rows: list[dict], bw: float, command: str, seconds: float) -> str:
     if failures:
         lines += ["", "n/a: the method failed on that case:", ""]
         lines += [f"- {m} ({', '.join(cases)}): {why}" for (m, why), cases in failures.items()]
-    lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
-              "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
-              "host overhead shows where it exceeds the GPU time:", ""]
-    for r in rows:
-        name = geometry_name(r["geo"])
+    single = [r for r in rows if r["B"] == 1]
+    if single:
+        lines += ["", "B=1 latency (CUDA graph replay, L2 flushed): pagedfuse bf16 vs cuDNN on "
+                  "contiguous K/V; and one plain (eager) call of the pagedfuse op, whose Python "
+                  "host overhead shows where it exceeds the GPU time:", ""]
+    for r in single:
         cudnn = r.get("cudnn_us")
         vs = (f" vs cuDNN {cudnn:.1f} ({r['us']['pagedfuse bf16'] / cudnn:.2f}x)"
               if cudnn and r["us"].get("pagedfuse bf16") else "")
-        if r["B"] == 1:
-            lines.append(f"- {name} B=1 L={r['L']}: pagedfuse {r['us']['pagedfuse bf16']:.1f}"
-                         f"{vs}; eager op call {r['pf_eager_us']:.1f}")
+        lines.append(f"- {geometry_name(r['geo'])} B=1 L={r['L']}: pagedfuse "
+                     f"{r['us']['pagedfuse bf16']:.1f}{vs}; eager op call {r['pf_eager_us']:.1f}")
     return "\n".join(lines) + "\n"
 
 
