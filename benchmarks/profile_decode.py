@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode import GEOMETRIES, Case, _pf_call, contiguous_sdpa
+from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_sdpa, pf_cuda
 
 
 def main() -> None:
@@ -22,6 +22,9 @@ def main() -> None:
     parser.add_argument("--kind", choices=("bf16", "int8_kv", "int8_k", "contiguous"),
                         default="int8_kv")
     parser.add_argument("--in-order", action="store_true", help="blocks in order, not shuffled")
+    parser.add_argument("--stages", type=int, help="the CUDA C++ decode's pipeline depth "
+                        "(default: the op's)")
+    parser.add_argument("--splits", type=int, help="split-KV count (default: the op's)")
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -31,7 +34,11 @@ def main() -> None:
         q4 = case.q.view(case.batch, hkv, hq // hkv, d)
         call = lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig, case.scale)  # noqa: E731
     else:
-        call = lambda: _pf_call(case, args.kind)  # noqa: E731
+        native = None if args.stages is None else True
+        config = native and pf_cuda.native_config(
+            NATIVE_KIND[args.kind], case.geo[2], torch.device("cuda"), args.stages)
+        call = lambda: _pf_call(case, args.kind, config=config,  # noqa: E731
+                                splits=args.splits, native=native)
     for _ in range(args.calls):
         call()
     torch.cuda.synchronize()
