@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int num_tiles =
       first < kv_hi ? static_cast<int>((kv_hi - first + kCtaTokens - 1) / kCtaTokens) : 0;
 
-  // Q^T fragments (B operand of Q·K^T) of head g: dims [t D/4, (t+1) D/4) of its row.
+  // Q^T fragments (B operand of Q·K^T) of head g: the 16-byte chunks t, t + 4, ... of its row.
   const int64_t head0 = static_cast<int64_t>(kvh) * group;
   uint32_t qf[KW];
   if (g < group) {
