@@ -63,3 +63,29 @@ def test_replot_draws_the_section_asked_for(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="Missing"):
         bench_decode.replot(str(doc), "### Missing", str(out))
+
+
+def test_markdown_reads_back_and_lists_failures_and_b1_latency(monkeypatch):
+    """markdown() itself (its GPU facts stubbed): the rows read back, a failed method is a
+    note with its message, and the B=1 latency block comes with B=1 rows only."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(bench_decode.torch.cuda, "get_device_name", lambda: "Test GPU")
+    monkeypatch.setattr(bench_decode, "triton", SimpleNamespace(__version__="0"))
+    monkeypatch.setattr(bench_decode, "_native_path", lambda kind: "CUDA C++")
+    us = {m: 40.0 + i for i, m in enumerate(bench_decode.METHOD_ORDER)}
+    big = {**_row("llama3_8b", 64, 8192, {**us, "FlexAttention paged": None}), "kv_gb": 2.15}
+    big["err"] = {"FlexAttention paged": "InductorError: boom"}
+    small = {**_row("tinyllama", 1, 1536, us), "kv_gb": 0.0, "cudnn_us": 80.0,
+             "pf_eager_us": 150.0}
+
+    text = bench_decode.markdown([big], 4.2e12, "bench", 1.0)
+    assert [(r["B"], r["L"]) for r in bench_decode.rows_from_markdown(text)] == [(64, 8192)]
+    assert "- FlexAttention paged (llama3_8b B=64 L=8192): InductorError: boom" in text
+    assert "B=1 latency" not in text
+
+    text = bench_decode.markdown([big, small], 4.2e12, "bench", 1.0)
+    read = bench_decode.rows_from_markdown(text)
+    assert read[1]["us"] == pytest.approx(us)
+    line = f"- tinyllama B=1 L=1536: pagedfuse {us['pagedfuse bf16']:.1f} vs cuDNN 80.0 "
+    assert line + f"({us['pagedfuse bf16'] / 80:.2f}x); eager op call 150.0" in text
