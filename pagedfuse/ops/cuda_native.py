@@ -21,11 +21,7 @@ LIBRARY = "pagedfuse._cuda_kernels"
 KINDS = ("int8_kv", "int8_k", "half")
 # kind -> head_dim -> the pipeline depths built (0: no pipeline, loads straight to
 # registers); the launcher's switch lists the same.
-DECODE_STAGES = {
-    "int8_kv": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
-    "int8_k": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
-    "half": {64: (0, 1, 2), 128: (0, 1, 2), 256: (0, 1, 2)},
-}
+DECODE_STAGES = {kind: {d: (0, 1, 2) for d in (64, 128, 256)} for kind in KINDS}
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 WARPS = 4  # per CTA, each on its own tiles
 ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 INT8 V)
