@@ -50,8 +50,8 @@
 // the per-tile P quantization), so most tiles skip the O rescale, and the branch is
 // warp-uniform.
 //
-// Instructions per tile bound the INT8 kernel: with 2-3 warps per scheduler there is little else
-// to issue while one waits. So per-token addressing is 32-bit: each lane locates its own
+// With 2-3 warps per scheduler there is little else to issue while one waits, so each
+// warp's instructions per tile count. So per-token addressing is 32-bit: each lane locates its own
 // token once per tile (one block-table read) and the row offsets travel by shuffle, in
 // 16-byte units (the host checks they fit 32 bits). Nsight Compute on the H200, llama3_8b
 // B=64 L=8192, INT8 K+V, with the heads-first order: 306 -> 283 us, 78% -> 82% of peak DRAM
