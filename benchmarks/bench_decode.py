@@ -658,7 +658,7 @@ def _native_reason(kind: str) -> str | None:
 def _default_native(kind: str, head_dim: int) -> bool:
     """Whether the op's default path for this format and head_dim is the CUDA C++ decode."""
     return (_native_reason(kind) is None
-            and head_dim in pf_cuda.NATIVE_BY_DEFAULT[NATIVE_KIND[kind]])
+            and head_dim in pf_cuda.cuda_native.DECODE_STAGES[NATIVE_KIND[kind]])
 
 
 def _native_path(kind: str) -> str:
@@ -666,7 +666,7 @@ def _native_path(kind: str) -> str:
     reason = _native_reason(kind)
     if reason is not None:
         return f"Triton ({reason})"
-    native = sorted(pf_cuda.NATIVE_BY_DEFAULT[NATIVE_KIND[kind]])
+    native = sorted(pf_cuda.cuda_native.DECODE_STAGES[NATIVE_KIND[kind]])
     others = sorted({g[2] for g in GEOMETRIES.values()} - set(native))
     return f"CUDA C++ at head_dim {', '.join(map(str, native))}" + (
         f", Triton at {', '.join(map(str, others))}" if others else "")

@@ -53,11 +53,6 @@ NATIVE_STAGES = {
     "int8_k": {64: 0, 128: 1, 256: 1},
     "half": {64: 1, 128: 1, 256: 1},
 }
-# kind -> the head dims whose decode calls take the CUDA C++ kernel by default: all of them
-# since its staged tiles are read without bank conflicts (bf16 at B >= 8 on the H200: 2-14%
-# faster than the Triton kernel; benchmarks/RESULTS.md, calls 30-32).
-NATIVE_BY_DEFAULT = {"int8_kv": {64, 128, 256}, "int8_k": {64, 128, 256},
-                     "half": {64, 128, 256}}
 
 
 def native_config(kind: str, head_dim: int, device: torch.device,
@@ -180,16 +175,15 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                          max_query_len: int | None, config: LaunchConfig | None = None,
                          splits: int | None = None, native: bool | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
-    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode where it applies
-    and NATIVE_BY_DEFAULT lists the head_dim, False always the Triton kernel, True requires
-    the CUDA C++ one."""
+    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode wherever it applies
+    (on the H200 as fast as the Triton kernel or faster for every cache format and head_dim
+    it is built for, bf16 at B >= 8 by 2-14%; benchmarks/RESULTS.md, calls 30-32), False
+    always the Triton kernel, True requires the CUDA C++ one."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     int8_k = key_scale is not None
     kind = cuda_native.kind_of(key_cache, value_cache)
-    if native is None and head_dim not in NATIVE_BY_DEFAULT[kind]:
-        native = False  # Triton measured as fast or faster here: no checks to pay for
     if native is not False:
         reason = native_reason(query, key_cache, value_cache, key_scale, value_scale,
                                block_table, attn_bias, max_query_len)
