@@ -87,16 +87,15 @@ cases = [
     (dict(batch=2, hq=8, hkv=2, d=128, q_lens=[5, 3], causal=True, seq_lens=[40, 20],
           bias=torch.rand(2, 1, 5, 40, device="cuda") > 0.3), dict(splits=2)),
 ]
+from pagedfuse.ops import cuda
+cases += [(dict(batch=3, hq=12, hkv=2, d=128, kv_int8=kv, seq_lens=[300, 45, 1]),
+           dict(native=True, max_query_len=1, splits=2,  # the 1-stage pipeline
+                config=cuda.native_config(kind, 128, torch.device("cuda"), 1)))
+          for kind, kv in (("int8_kv", "kv"), ("int8_k", "k"), ("half", None))]
 for spec, kw in cases:
     case = make_case(**spec)
     case["block_table"][0, 0] = 10**6  # clamped inside the kernel, never read out of bounds
     run_kernel(case, **kw)
-from pagedfuse.ops import cuda
-for kind, spec in (("int8_kv", dict(kv_int8="kv")), ("int8_k", dict(kv_int8="k")), ("half", {})):
-    case = make_case(batch=3, hq=12, hkv=2, d=128, seq_lens=[300, 45, 1], **spec)
-    case["block_table"][0, 0] = 10**6
-    run_kernel(case, max_query_len=1, splits=2, native=True,  # the 1-stage pipeline
-               config=cuda.native_config(kind, 128, torch.device("cuda"), 1))
 torch.ops.pagedfuse.quantize_int8(torch.randn(5, 7, 128, device="cuda"))
 torch.cuda.synchronize()
 print("memcheck cases ran")
