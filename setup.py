@@ -4,10 +4,12 @@ are present, pagedfuse._cuda_kernels (CUDA C++ kernels with a C ABI, loaded with
 Neither links libtorch, so one build serves every torch version. PAGEDFUSE_CUDA=1 forces
 the CUDA library (and fails without nvcc), PAGEDFUSE_CUDA=0 skips it; PAGEDFUSE_CUDA_ARCH
 lists the compute capabilities to build for (default "80;90": sm_80 and sm_90 machine
-code, plus sm_90 PTX for newer GPUs).
+code, plus sm_90 PTX for newer GPUs); PAGEDFUSE_NVCC_FLAGS adds nvcc flags (e.g. a -D of a
+kernel variant to time).
 """
 
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -51,7 +53,8 @@ class BuildExt(build_ext):
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
-               *gencode, *ext.sources, "-o", target]
+               *shlex.split(os.environ.get("PAGEDFUSE_NVCC_FLAGS", "")), *gencode,
+               *ext.sources, "-o", target]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
 

@@ -12,7 +12,8 @@ CUDA graph replay. "floor" = bytes that must be read / the copy bandwidth measur
 same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
-    python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality
+    python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality,
+                                                       # targets
     python benchmarks/bench_decode.py --replot benchmarks/RESULTS.md --section "Call 26" \
         --plot decode_bandwidth.png                    # redraw a recorded table, no GPU
 """
@@ -474,7 +475,7 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
                 line = []
                 for stages in DECODE_STAGES[native][geo[2]]:
                     config = pf_cuda.native_config(native, geo[2], device, stages)
-                    for n in ((4, 6, 8, 16) if batch == 8 else (1, 2, 3, 4)):
+                    for n in ((4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
                         us = bench(lambda n=n, c=config, cs=case, k=kind: _pf_call(
                             cs, k, config=c, splits=n, native=True), reps)
                         line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
@@ -514,16 +515,46 @@ def sweep_locality(bw: float) -> None:
                 torch.cuda.empty_cache()
 
 
+TARGET_POINTS = ((64, 8192), (64, 32768), (8, 32768))  # the issue's KV >= 1 GB points
+TARGET_RATIOS = {"bf16": 1.0, "int8_kv": 0.55, "int8_k": 0.80}
+
+
+def sweep_targets(bw: float) -> None:
+    """Each cache format's default path at the issue's KV >= 1 GB points, as its ratio to
+    contiguous SDPA next to the target: one line per point, for comparing kernel builds."""
+    reps = dict(warmup=5, rep=20)
+    for gname, geo in GEOMETRIES.items():
+        for batch, length in TARGET_POINTS:
+            if not _fits(geo, batch, length):
+                continue
+            case = Case(geo, batch, length)
+            contig_us = min(best_contiguous(case, reps).values())
+            cells = []
+            for kind, target in TARGET_RATIOS.items():
+                us = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
+                floor_us = case.bytes(kind) / bw * 1e6
+                mark = "met" if us / contig_us <= target else "missed"
+                cells.append(f"{kind} {us:.1f} ({100 * floor_us / us:.0f}%, "
+                             f"{us / contig_us:.3f}x, {mark})")
+            print(f"targets {gname} B={batch} L={length}: " + ", ".join(cells)
+                  + f"; contiguous SDPA {contig_us:.1f}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
-    configs ("tiles"), the bf16 split counts ("splits") or the block table's order
-    ("locality")."""
+    configs ("tiles"), the bf16 split counts ("splits"), the block table's order
+    ("locality") or the default paths at the target points ("targets")."""
     if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)
         kinds = what.partition(":")[2]
         sweep_native(bw, tuple(kinds.split(",")) if kinds else tuple(NATIVE_KIND))
         return
     if what == "locality":
         sweep_locality(bw)
+        return
+    if what == "targets":
+        sweep_targets(bw)
         return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets

@@ -8,6 +8,9 @@
 #   benchmarks/gpu_check.sh tune     build, kernel tests, memcheck, tuning sweeps
 #                                    (SWEEP: native, tiles and/or splits; default native;
 #                                    SWEEP="" for none)
+# VARIANTS (tune/check): nvcc flag sets separated by ";" (e.g. "-DX=1;-DX=2"); after the
+# sweeps, the CUDA library is rebuilt for sm_90 with each set and the sweeps run again, so
+# kernel builds compare in one call.
 # Wheels under .whl/ (e.g. the transformers version the tests pin) are installed first into
 # /tmp/site, ahead of the image's packages. The tests, memcheck and the demo check
 # correctness only, so they run side by side; the two benchmarks run alone. Every part is
@@ -128,7 +131,7 @@ if [ "$MODE" != tune ]; then
   tail -12 "$OUT/bench_hf.log"
 else
   echo "== pytest -m cuda (kernel tests)"
-  run_tests tests/test_cuda_kernels.py || status=1
+  run_tests "tests/test_cuda_kernels.py tests/test_cuda_native.py" || status=1
   tail -15 "$OUT/pytest.log"
 fi
 
@@ -139,10 +142,20 @@ if [ "$MODE" != full ]; then
     tail -6 "$OUT/memcheck.log"
   fi
   [ "$MODE" = tune ] && default_sweep=native || default_sweep=""
-  for sweep in ${SWEEP-$default_sweep}; do
-    echo "== sweep $sweep ($SECONDS s)"
-    timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
-      --sweep "$sweep" 2>&1 | tee -a "$OUT/sweep.log" || status=1
+  run_sweeps() {  # $1: a label for the log
+    for sweep in ${SWEEP-$default_sweep}; do
+      echo "== sweep $sweep, $1 ($SECONDS s)" | tee -a "$OUT/sweep.log"
+      timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
+        --sweep "$sweep" 2>&1 | tee -a "$OUT/sweep.log" || status=1
+    done
+  }
+  run_sweeps "default build"
+  IFS=';' read -ra variants <<<"${VARIANTS:-}"
+  for flags in "${variants[@]}"; do
+    echo "== rebuild with $flags ($SECONDS s)"
+    PAGEDFUSE_NVCC_FLAGS="$flags" PAGEDFUSE_CUDA_ARCH=90 timeout 120 $PY setup.py build_ext \
+      --inplace >"$OUT/build_variant.log" 2>&1 || { echo "BUILD FAILED"; status=1; continue; }
+    run_sweeps "$flags"
   done
 else
   echo "== decode benchmark ($SECONDS s)"

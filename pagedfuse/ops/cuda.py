@@ -46,13 +46,12 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 
 
-# kind -> head_dim -> the CUDA C++ decode's default pipeline depth, the fastest on the H200
-# with the wave split rule (benchmarks/NOTES-gpu.md): 0 loads straight to registers.
-NATIVE_STAGES = {
-    "int8_kv": {64: 0, 128: 1, 256: 1},
-    "int8_k": {64: 0, 128: 1, 256: 1},
-    "half": {64: 1, 128: 1, 256: 1},
-}
+# The CUDA C++ decode's default pipeline depth, for every cache format and head_dim: one
+# tile in flight per warp. On the H200 it is the fastest depth with the wave split rule or
+# within 3% of it everywhere; since its reads take a 128-byte L2 prefetch, that includes
+# 8-bit head_dim 64, where INT8 K+V at B=64 L=32768 went from 331 µs (no pipeline) to 290
+# (benchmarks/RESULTS.md, call 36).
+NATIVE_STAGES = 1
 
 
 def native_config(kind: str, head_dim: int, device: torch.device,
@@ -60,7 +59,7 @@ def native_config(kind: str, head_dim: int, device: torch.device,
     """The CUDA C++ decode: block_n is the keys a CTA steps over at a time (the split
     heuristic's tile); num_stages is its pipeline depth, by default NATIVE_STAGES;
     resident is the CUDA occupancy of that variant."""
-    stages = NATIVE_STAGES[kind][head_dim] if stages is None else stages
+    stages = NATIVE_STAGES if stages is None else stages
     return LaunchConfig(cuda_native.cta_tokens(kind, head_dim), cuda_native.WARPS, stages,
                         resident=cuda_native.decode_resident(device, kind, head_dim, stages))
 
