@@ -13,7 +13,7 @@ same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
     python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality,
-                                                       # targets
+                                                       # targets, host
     python benchmarks/bench_decode.py --replot benchmarks/RESULTS.md --section "Call 26" \
         --plot decode_bandwidth.png                    # redraw a recorded table, no GPU
 """
@@ -545,7 +545,8 @@ def sweep_targets(bw: float) -> None:
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
     configs ("tiles"), the bf16 split counts ("splits"), the block table's order
-    ("locality") or the default paths at the target points ("targets")."""
+    ("locality"), the default paths at the target points ("targets") or the host cost of
+    an eager call ("host")."""
     if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)
         kinds = what.partition(":")[2]
         sweep_native(bw, tuple(kinds.split(",")) if kinds else tuple(NATIVE_KIND))
@@ -555,6 +556,9 @@ def sweep(bw: float, what: str) -> None:
         return
     if what == "targets":
         sweep_targets(bw)
+        return
+    if what == "host":
+        host_overhead()
         return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets
@@ -628,11 +632,14 @@ def split_check(bw: float) -> str:
 def host_overhead() -> str:
     """Wall µs per plain call at B=1 (llama3_8b, L=1536; the GPU time is ~14 µs, so the
     host is what is timed), peeled layer by layer: which part of an eager call costs what."""
+    from pagedfuse.ops.triton_paged import combine_splits_kernel
     from pagedfuse.ops.validate import check_metadata
 
     case = Case(GEOMETRIES["llama3_8b"], 1, 1536)
     tail = (*case.block_args, case.scale, False, None, case.length, 1)
     out = torch.empty_like(case.q)
+    rows, splits, hd = case.q.shape[1], 8, case.q.shape[2]
+    parts = torch.zeros(splits * rows * (hd + 1), device="cuda")
     steps = {
         "op call (OpOverloadPacket, grad mode on)":
             lambda: OPS.paged_attention(case.q, case.k, case.v, *tail),
@@ -643,6 +650,9 @@ def host_overhead() -> str:
                                                  None, None, *tail),
         "check_metadata alone": lambda: check_metadata(
             "paged_attention", case.q, case.k, case.v, *case.block_args, case.scale, None),
+        "Triton split combine launch alone (the Triton path's; the CUDA C++ decode merges "
+        "its splits in its own call)": lambda: combine_splits_kernel[(rows,)](
+            parts, parts, out, rows, splits, SPLITS_PAD=splits, HEAD_DIM=hd, num_warps=2),
     }
     lines = ["", "Host cost of one eager call (llama3_8b B=1 L=1536, wall µs per call, "
              "median of 5 loops of 200 calls):", ""]
@@ -708,8 +718,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the markdown section here")
     parser.add_argument("--plot", help="write the bandwidth plot here")
     parser.add_argument("--sweep", help="a tuning sweep instead of the table: native (or "
-                        "native:bf16,int8_k,... for some cache formats), tiles, splits or "
-                        "locality")
+                        "native:bf16,int8_k,... for some cache formats), tiles, splits, "
+                        "locality, targets or host")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
                         help="the table's batch sizes (the split check and host cost run "
