@@ -650,9 +650,9 @@ def host_overhead() -> str:
                                                  None, None, *tail),
         "check_metadata alone": lambda: check_metadata(
             "paged_attention", case.q, case.k, case.v, *case.block_args, case.scale, None),
-        "Triton split combine launch alone (the Triton path's; the CUDA C++ decode merges "
-        "its splits in its own call)": lambda: combine_splits_kernel[(rows,)](
-            parts, parts, out, rows, splits, SPLITS_PAD=splits, HEAD_DIM=hd, num_warps=2),
+        "Triton split combine launch alone (in the kernel wrapper's cost: B=1 has splits)":
+            lambda: combine_splits_kernel[(rows,)](parts, parts, out, rows, splits,
+                                                   SPLITS_PAD=splits, HEAD_DIM=hd, num_warps=2),
     }
     lines = ["", "Host cost of one eager call (llama3_8b B=1 L=1536, wall µs per call, "
              "median of 5 loops of 200 calls):", ""]

@@ -374,22 +374,6 @@ def test_default_path_takes_the_native_decode(kind, d, monkeypatch):
     assert rel_err(out, reference(case)) < _native_tol(case)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("splits", [2, 200])
-def test_native_decode_merges_its_own_splits(kind, d, splits, monkeypatch):
-    """The CUDA C++ decode merges its split rows itself, in the same call: the Triton
-    combine never runs, and the result is right, also with more splits than the combine
-    kernel has threads (most of them without keys)."""
-    from pagedfuse.ops import cuda
-
-    monkeypatch.setattr(cuda, "combine_splits_kernel", None)  # any use would raise
-    case = make_case(batch=3, hq=16, hkv=2, d=d, kv_int8=KINDS[kind], seq_lens=[1000, 1, 77])
-    out = run_kernel(case, max_query_len=1, splits=splits, native=True)
-    assert rel_err(out, reference(case)) < _native_tol(case)
-    assert cosine(out, reference(case, unquantized=True)) > 0.995
-
-
 def test_ops_route_to_the_cuda_kernels():
     case = make_case(batch=2, hq=8, hkv=2, d=64, kv_int8="kv")
     args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale",

@@ -17,9 +17,7 @@
 // that run together read the neighbouring heads of the same token rows (on the H200 3-8%
 // faster for llama3_8b at B=64 than sequences fastest); each warp walks its own tiles of
 // kTile tokens (Traits) with its own online softmax, and the CTA merges the 4 warps at the
-// end. With more than one split, each CTA writes its rows' partial output and log-sum-exp,
-// and combine_kernel, launched right after it in the same call, merges the splits (so a
-// split call costs the host one launch, not a second, Triton one).
+// end.
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
 // stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. Or
@@ -739,61 +737,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
 }
 
-constexpr int kCombineThreads = 128;
-
-// Split-KV: merges the splits' partial rows of one (token, query head) into `out`, each split
-// weighted by 2^(lse - max lse) as in the Triton combine (a row no key reached gets 0).
-// Thread i reads 16-byte quad i % (D / 4) of splits i / (D / 4), + 128 / (D / 4), ..., so a
-// row's loads are all in flight at once; the groups' sums then meet in shared memory.
-template <typename E>
-__global__ void __launch_bounds__(kCombineThreads)
-    combine_kernel(const float* part_o, const float* part_lse, E* out, int64_t rows,
-                   int splits, int head_dim) {
-  __shared__ float s_max[kCombineThreads / 32];
-  __shared__ float4 s_acc[kCombineThreads];
-  __shared__ float s_sum[kCombineThreads];
-  const int64_t row = blockIdx.x;
-  const int tid = threadIdx.x;
-  float mx = -INFINITY;
-  for (int s = tid; s < splits; s += kCombineThreads) mx = fmaxf(mx, part_lse[s * rows + row]);
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (tid % 32 == 0) s_max[tid / 32] = mx;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, s_max[w]);
-  const float m_use = mx == -INFINITY ? 0.f : mx;
-
-  const int quads = head_dim / 4, groups = kCombineThreads / quads;
-  const int quad = tid % quads, group = tid / quads;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float sum = 0.f;
-#pragma unroll 4
-  for (int s = group; s < splits; s += groups) {
-    const float w = exp2f(part_lse[s * rows + row] - m_use);
-    if (w > 0.f) {
-      const float4 o = reinterpret_cast<const float4*>(part_o + (s * rows + row) * head_dim)[quad];
-      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
-    }
-    sum += w;
-  }
-  s_acc[tid] = acc;
-  s_sum[tid] = sum;
-  __syncthreads();
-  if (tid >= quads) return;
-  float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-  float total = 0.f;
-  for (int g = 0; g < groups; ++g) {
-    const float4 x = s_acc[g * quads + tid];
-    r.x += x.x, r.y += x.y, r.z += x.z, r.w += x.w;
-    total += s_sum[g * quads];
-  }
-  const float inv = 1.f / (total > 0.f ? total : 1.f);
-  E* dst = out + row * head_dim + 4 * tid;
-  dst[0] = to_out<E>(r.x * inv), dst[1] = to_out<E>(r.y * inv);
-  dst[2] = to_out<E>(r.z * inv), dst[3] = to_out<E>(r.w * inv);
-}
-
 // One variant: launch it (grid.x > 0), or with grid.x == 0 write how many of its CTAs fit
 // on one multiprocessor to *resident.
 template <int D, int S, int KIND, typename E>
@@ -840,18 +783,6 @@ cudaError_t dispatch(const Args& a, int kind, int head_dim, int stages, dim3 gri
   }
 }
 
-// The decode, then (splits > 1) the combine of its partial rows, on one stream.
-template <typename E>
-cudaError_t decode_and_combine(const Args& a, int kind, int head_dim, int stages, dim3 grid,
-                               int splits, cudaStream_t stream) {
-  const cudaError_t err = dispatch<E>(a, kind, head_dim, stages, grid, stream, nullptr);
-  if (err != cudaSuccess || splits == 1) return err;
-  const int64_t rows = a.num_tokens * a.num_q_heads;
-  combine_kernel<E><<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(
-      a.part_o, a.part_lse, static_cast<E*>(a.out), rows, splits, head_dim);
-  return cudaGetLastError();
-}
-
 // Makes `device` current for this library's runtime and restores the previous one on exit,
 // so a call for a tensor on another GPU leaves the caller's current device as it was.
 class DeviceGuard {
@@ -875,15 +806,14 @@ class DeviceGuard {
 
 extern "C" {
 
-// Launches on `stream` (the caller's current torch stream) the decode and, with splits > 1,
-// the combine of part_o/part_lse into out; returns a cudaError_t code. kind: a Kind;
-// out_dtype: 0 bfloat16, 1 float16 (also the query's, and a 16-bit cache's); index64: bits
-// 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. sizes: num_tokens,
-// num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a power of two);
-// strides: the query's token stride (elements), then (block, token, head) of K and of V in
-// bytes, of K scales and V scales in elements, then the table's (row, column). The caller
-// guarantees what cuda_native.decode_unsupported checks (alignment, 32-bit per-token
-// offsets) and num_kv_heads * batch * splits < 2^31.
+// Launches on `stream` (the caller's current torch stream); returns a cudaError_t code.
+// kind: a Kind; out_dtype: 0 bfloat16, 1 float16 (also the query's, and a 16-bit cache's);
+// index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. sizes:
+// num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a
+// power of two); strides: the query's token stride (elements), then (block, token, head)
+// of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
+// column). The caller guarantees what cuda_native.decode_unsupported checks (alignment,
+// 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
 int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64,
                      int head_dim, int stages, int64_t batch, int64_t num_kv_heads,
                      int64_t splits, const void* q, const float* q_scale, const void* k,
@@ -914,10 +844,9 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
   const dim3 grid(static_cast<unsigned>(num_kv_heads * batch * splits));  // heads fastest
   const auto s = static_cast<cudaStream_t>(stream);
-  const int n = static_cast<int>(splits);
   return out_dtype == 0
-             ? decode_and_combine<__nv_bfloat16>(a, kind, head_dim, stages, grid, n, s)
-             : decode_and_combine<__half>(a, kind, head_dim, stages, grid, n, s);
+             ? dispatch<__nv_bfloat16>(a, kind, head_dim, stages, grid, s, nullptr)
+             : dispatch<__half>(a, kind, head_dim, stages, grid, s, nullptr);
 }
 
 // CTAs of the (kind, head_dim, stages) variant that fit on one multiprocessor (registers and

@@ -215,7 +215,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         _launch_triton(plan, splits, out, q, q_scale, key_cache, value_cache, key_scale,
                        value_scale, block_table, seq_lens, query_start_loc, scale, causal,
                        attn_bias, part_o, part_lse)
-    if not direct and not native:  # the CUDA C++ decode launches its own combine
+    if not direct:
         combine_splits_kernel[(num_tokens * num_q_heads,)](
             part_o, part_lse, out, num_tokens * num_q_heads, splits,
             SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,

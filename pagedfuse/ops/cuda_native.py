@@ -145,9 +145,8 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                 query_start_loc: torch.Tensor, scale_log2: float, splits: int, stages: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
-    else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 the
-    splits' rows go to ``part_o``/``part_lse`` and a second kernel, launched in the same
-    call, merges them into ``out`` (no Triton launch on the host path). ``stages``: one of
+    else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
+    writes ``part_o``/``part_lse`` for the combine kernel. ``stages``: one of
     DECODE_STAGES[kind][head_dim]."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
