@@ -71,7 +71,7 @@
 // brings in the whole 128-byte line it shares with the neighbouring head's row, which that
 // head's CTA (launched next to this one) reads soon after. On the H200 INT8 K+V tinyllama
 // at B=64 got 3-4% faster and INT8 K 1-2%; rows of 128 bytes and more are unchanged, and a
-// 256-byte size was 1-6% slower (benchmarks/RESULTS.md, call 35).
+// 256-byte size was up to 5% slower (benchmarks/RESULTS.md, call 35).
 #define PF_L2_HINT ".L2::128B"
 
 namespace {
@@ -172,12 +172,10 @@ __device__ __forceinline__ void load_chunk(const int8_t* p, uint32_t* w) {
   static_assert(NB == 16 || NB == 8, "unsupported row chunk");
   if constexpr (kGlobal && NB == 16) {
     asm("ld.global.nc" PF_L2_HINT ".v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "l"(p));
+        : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+        : "l"(p));
   } else if constexpr (kGlobal) {
-    asm("ld.global.nc" PF_L2_HINT ".v2.u32 {%0,%1}, [%2];\n"
-                 : "=r"(w[0]), "=r"(w[1])
-                 : "l"(p));
+    asm("ld.global.nc" PF_L2_HINT ".v2.u32 {%0,%1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
   } else if constexpr (NB == 16) {
     const uint4 x = *reinterpret_cast<const uint4*>(p);
     w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
