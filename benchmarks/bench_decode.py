@@ -487,6 +487,23 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
             torch.cuda.empty_cache()
 
 
+TARGET_POINTS = ((64, 8192), (64, 32768), (8, 32768))  # the issue's KV >= 1 GB points
+TARGET_RATIOS = {"bf16": 1.0, "int8_kv": 0.55, "int8_k": 0.80}
+
+
+def print_default_paths(label: str, case: Case, bw: float, contig_us: float,
+                        reps: dict) -> None:
+    """One line: each cache format's default path on ``case`` (µs, the fraction of its
+    floor, the ratio to contiguous SDPA and whether that meets the format's target)."""
+    cells = []
+    for kind, target in TARGET_RATIOS.items():
+        us = bench(lambda k=kind: _pf_call(case, k), reps)
+        floor_us = case.bytes(kind) / bw * 1e6
+        cells.append(f"{kind} {us:.1f} ({100 * floor_us / us:.0f}%, {us / contig_us:.3f}x, "
+                     f"{'met' if us / contig_us <= target else 'missed'})")
+    print(f"{label}: {', '.join(cells)}; contiguous SDPA {contig_us:.1f}", flush=True)
+
+
 LAYOUTS = {"random page 16": (16, True), "in order page 16": (16, False),
            "random page 128": (128, True)}
 
@@ -503,20 +520,10 @@ def sweep_locality(bw: float) -> None:
                 case = Case(geo, 64, length, page=page, shuffle=shuffle)
                 if contig_us is None:
                     contig_us = min(best_contiguous(case, reps).values())
-                cells = []
-                for kind in ("bf16", "int8_kv", "int8_k"):
-                    us = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
-                    floor_us = case.bytes(kind) / bw * 1e6
-                    cells.append(f"{kind} {us:.1f} ({100 * floor_us / us:.0f}%, "
-                                 f"{us / contig_us:.2f}x)")
-                print(f"locality {gname} B=64 L={length} {layout}: " + ", ".join(cells)
-                      + f"; contiguous SDPA {contig_us:.1f}", flush=True)
+                print_default_paths(f"locality {gname} B=64 L={length} {layout}", case, bw,
+                                    contig_us, reps)
                 del case
                 torch.cuda.empty_cache()
-
-
-TARGET_POINTS = ((64, 8192), (64, 32768), (8, 32768))  # the issue's KV >= 1 GB points
-TARGET_RATIOS = {"bf16": 1.0, "int8_kv": 0.55, "int8_k": 0.80}
 
 
 def sweep_targets(bw: float) -> None:
@@ -529,15 +536,8 @@ def sweep_targets(bw: float) -> None:
                 continue
             case = Case(geo, batch, length)
             contig_us = min(best_contiguous(case, reps).values())
-            cells = []
-            for kind, target in TARGET_RATIOS.items():
-                us = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
-                floor_us = case.bytes(kind) / bw * 1e6
-                mark = "met" if us / contig_us <= target else "missed"
-                cells.append(f"{kind} {us:.1f} ({100 * floor_us / us:.0f}%, "
-                             f"{us / contig_us:.3f}x, {mark})")
-            print(f"targets {gname} B={batch} L={length}: " + ", ".join(cells)
-                  + f"; contiguous SDPA {contig_us:.1f}", flush=True)
+            print_default_paths(f"targets {gname} B={batch} L={length}", case, bw, contig_us,
+                                reps)
             del case
             torch.cuda.empty_cache()
 
