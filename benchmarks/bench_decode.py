@@ -455,7 +455,7 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
     """Each cache format: the CUDA C++ decode for each built pipeline depth and several
     split counts, against the Triton kernel (at its heuristic's splits) and contiguous bf16
     SDPA, at B=8 and B=64."""
-    from pagedfuse.ops.cuda_native import DECODE_STAGES
+    from pagedfuse.ops.cuda_native import STAGES
 
     reps = dict(warmup=5, rep=20)
     device = torch.device("cuda")
@@ -473,7 +473,7 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
                 auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
                                              pf_cuda._sm_count(device), default)
                 line = []
-                for stages in DECODE_STAGES[native][geo[2]]:
+                for stages in STAGES:
                     config = pf_cuda.native_config(native, geo[2], device, stages)
                     for n in ((4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
                         us = bench(lambda n=n, c=config, cs=case, k=kind: _pf_call(
@@ -699,7 +699,7 @@ def _native_reason(kind: str) -> str | None:
 def _default_native(kind: str, head_dim: int) -> bool:
     """Whether the op's default path for this format and head_dim is the CUDA C++ decode."""
     return (_native_reason(kind) is None
-            and head_dim in pf_cuda.cuda_native.DECODE_STAGES[NATIVE_KIND[kind]])
+            and head_dim in pf_cuda.cuda_native.HEAD_DIMS)
 
 
 def _native_path(kind: str) -> str:
@@ -707,7 +707,7 @@ def _native_path(kind: str) -> str:
     reason = _native_reason(kind)
     if reason is not None:
         return f"Triton ({reason})"
-    native = sorted(pf_cuda.cuda_native.DECODE_STAGES[NATIVE_KIND[kind]])
+    native = pf_cuda.cuda_native.HEAD_DIMS
     others = sorted({g[2] for g in GEOMETRIES.values()} - set(native))
     return f"CUDA C++ at head_dim {', '.join(map(str, native))}" + (
         f", Triton at {', '.join(map(str, others))}" if others else "")

@@ -273,8 +273,8 @@ def test_native_decode_matches_reference(name, splits, kind):
 
 
 @pytest.mark.parametrize(("kind", "d", "stages"), [
-    (kind, d, s) for kind, dims in cuda_native.DECODE_STAGES.items()
-    for d, depths in dims.items() for s in depths])
+    (kind, d, s) for kind in cuda_native.KINDS for d in cuda_native.HEAD_DIMS
+    for s in cuda_native.STAGES])
 def test_native_decode_every_pipeline_depth(kind, d, stages):
     """Every variant the Python table declares is built by the C++ launcher and right."""
     from pagedfuse.ops import cuda

@@ -68,7 +68,6 @@ def test_kind_follows_the_cache_dtypes():
     assert cuda_native.kind_of(i8, i8) == "int8_kv"
     assert cuda_native.kind_of(i8, bf16) == "int8_k"
     assert cuda_native.kind_of(bf16, bf16) == "half"
-    assert set(cuda_native.DECODE_STAGES) == set(cuda_native.KINDS)
 
 
 def test_query_rows_read_in_place_only_when_aligned():

@@ -751,8 +751,8 @@ cudaError_t run_variant(const Args& a, dim3 grid, cudaStream_t stream, int* resi
   return cudaGetLastError();
 }
 
-// The built (head_dim, stages) variants of one kind; cuda_native.DECODE_STAGES lists the
-// same, and the Python side picks the stages.
+// The built (head_dim, stages) variants of one kind; cuda_native.HEAD_DIMS and STAGES list
+// the same, and the Python side picks the stages.
 template <int KIND, typename E>
 cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid,
                           cudaStream_t stream, int* resident) {

@@ -19,9 +19,10 @@ LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
 KINDS = ("int8_kv", "int8_k", "half")
-# kind -> head_dim -> the pipeline depths built (0: no pipeline, loads straight to
-# registers); the launcher's switch lists the same.
-DECODE_STAGES = {kind: {d: (0, 1, 2) for d in (64, 128, 256)} for kind in KINDS}
+# The launcher's switch builds every kind at each of these head dims and pipeline depths
+# (0: no pipeline, loads straight to registers).
+HEAD_DIMS = (64, 128, 256)
+STAGES = (0, 1, 2)
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 WARPS = 4  # per CTA, each on its own tiles
 ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 INT8 V)
@@ -110,7 +111,7 @@ def decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
     cache has the query's dtype, a scale goes with each int8 cache)."""
     if query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {query.dtype} (bfloat16 or float16 only)"
-    if query.shape[-1] not in DECODE_STAGES[kind_of(key_cache, value_cache)]:
+    if query.shape[-1] not in HEAD_DIMS:
         return f"head_dim {query.shape[-1]}"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
@@ -147,7 +148,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
     else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
     writes ``part_o``/``part_lse`` for the combine kernel. ``stages``: one of
-    DECODE_STAGES[kind][head_dim]."""
+    STAGES."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
