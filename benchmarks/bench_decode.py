@@ -13,7 +13,7 @@ same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
     python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality,
-                                                       # targets, host
+                                                       # targets, host, overhead
     python benchmarks/bench_decode.py --replot benchmarks/RESULTS.md --section "Call 26" \
         --plot decode_bandwidth.png                    # redraw a recorded table, no GPU
 """
@@ -42,6 +42,7 @@ try:  # timing needs Triton and pagedfuse's CUDA kernels; --replot runs without 
     import triton.testing
 
     from pagedfuse.ops import cuda as pf_cuda
+    from pagedfuse.ops.triton_paged import LOG2E
 except ImportError:
     triton = pf_cuda = None
 
@@ -542,11 +543,67 @@ def sweep_targets(bw: float) -> None:
             torch.cuda.empty_cache()
 
 
+OVERHEAD_POINTS = ((1, 8192), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
+
+
+def sweep_overhead(bw: float) -> None:
+    """Where the time goes beyond reading the bytes, per cache format's default path: the op
+    with programmatic dependent launch (PDL) and without it, the decode kernel alone (its
+    query quantized beforehand, no split combine), and the harness's own floor (a graph of
+    one 4-byte fill, timed the same way). Comparing L=8192 with L=32768 at one B separates
+    a fixed cost from the streaming rate."""
+    reps = dict(warmup=5, rep=20)
+    empty = torch.zeros(1, device="cuda")
+    print(f"harness floor (one tiny kernel, same timing): {bench(empty.zero_, reps):.1f} us",
+          flush=True)
+    for gname, geo in GEOMETRIES.items():
+        for batch, length in OVERHEAD_POINTS:
+            if not _fits(geo, batch, length):
+                continue
+            case = Case(geo, batch, length)
+            cells = []
+            for kind in TARGET_RATIOS:
+                pf_cuda.PDL = False
+                off = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
+                pf_cuda.PDL = True
+                on = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
+                alone = bench(_decode_alone(case, kind), reps)
+                floor_us = case.bytes(kind) / bw * 1e6
+                cells.append(f"{kind} PDL off {off:.1f} / on {on:.1f} / decode alone "
+                             f"{alone:.1f} (floor {floor_us:.1f})")
+            quantize = bench(lambda cs=case: OPS.quantize_int8(cs.q), reps)
+            print(f"overhead {gname} B={batch} L={length}: {'; '.join(cells)}; quantize "
+                  f"alone {quantize:.1f}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+
+def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
+    """The CUDA C++ decode kernel of a default call, launched plainly, without the query's
+    quantization (done here, once) or the split combine."""
+    from pagedfuse.ops import cuda_native
+
+    native = NATIVE_KIND[kind]
+    hq, hkv, d = case.geo
+    config = pf_cuda.native_config(native, d, case.q.device)
+    splits = pf_cuda.num_kv_splits(case.batch, hkv, d, case.length,
+                                   pf_cuda._sm_count(case.q.device), config)
+    k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
+    v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
+    q, q_scale = OPS.quantize_int8(case.q) if ks is not None else (case.q, None)
+    out = torch.empty_like(case.q)
+    parts = torch.empty(splits * case.q.numel() // d * (d + 1), device="cuda")
+    part_o, part_lse = parts[: splits * case.q.numel()], parts[splits * case.q.numel():]
+    return lambda: cuda_native.decode_into(
+        out, q, q_scale, k, v, ks, vs, *case.block_args, case.scale * LOG2E, splits,
+        config.num_stages, part_o, part_lse)
+
+
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
     configs ("tiles"), the bf16 split counts ("splits"), the block table's order
-    ("locality"), the default paths at the target points ("targets") or the host cost of
-    an eager call ("host")."""
+    ("locality"), the default paths at the target points ("targets"), the host cost of
+    an eager call ("host") or the fixed costs around the decode kernel ("overhead")."""
     if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)
         kinds = what.partition(":")[2]
         sweep_native(bw, tuple(kinds.split(",")) if kinds else tuple(NATIVE_KIND))
@@ -559,6 +616,9 @@ def sweep(bw: float, what: str) -> None:
         return
     if what == "host":
         host_overhead()
+        return
+    if what == "overhead":
+        sweep_overhead(bw)
         return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets
@@ -719,7 +779,7 @@ def main() -> None:
     parser.add_argument("--plot", help="write the bandwidth plot here")
     parser.add_argument("--sweep", help="a tuning sweep instead of the table: native (or "
                         "native:bf16,int8_k,... for some cache formats), tiles, splits, "
-                        "locality, targets or host")
+                        "locality, targets, host or overhead")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
                         help="the table's batch sizes (the split check and host cost run "

@@ -7,7 +7,7 @@
 #                                    then the sweeps named in SWEEP, if any
 #   benchmarks/gpu_check.sh tune     build, kernel tests, memcheck, tuning sweeps
 #                                    (SWEEP: any of bench_decode.py's sweeps: native, tiles,
-#                                    splits, locality, targets, host; default native;
+#                                    splits, locality, targets, host, overhead; default native;
 #                                    SWEEP="" for none)
 # VARIANTS (tune/check): nvcc flag sets separated by ";" (e.g. "-DX=1;-DX=2"); after the
 # sweeps, the CUDA library is rebuilt for sm_90 with each set and the sweeps run again, so

@@ -367,11 +367,39 @@ def test_default_path_takes_the_native_decode(kind, d, monkeypatch):
     launches = []
     launch = cuda_native.decode_into
     monkeypatch.setattr(cuda_native, "decode_into",
-                        lambda *args: launches.append(1) or launch(*args))
+                        lambda *args, **kw: launches.append(1) or launch(*args, **kw))
     case = make_case(batch=2, hq=8, hkv=2, d=d, kv_int8=KINDS[kind])
     out = run_kernel(case, max_query_len=1)
     assert len(launches) == 1
     assert rel_err(out, reference(case)) < _native_tol(case)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dependent_launch_changes_no_bit(kind, splits, monkeypatch):
+    """Programmatic dependent launch (sm_90) equals the plain launch bit for bit, with a new
+    query on every call: a decode that read the query before quantize_int8 had written it,
+    or a combine that read before the decode had finished, would show here."""
+    from pagedfuse.ops import cuda
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    launches = []
+    launch = cuda_native.decode_into
+    monkeypatch.setattr(cuda_native, "decode_into",
+                        lambda *args, **kw: launches.append(kw["pdl"]) or launch(*args, **kw))
+    case = make_case(batch=4, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 1500],
+                     kv_int8=KINDS[kind])
+    for _ in range(20):
+        case["query"].normal_()
+        outs = []
+        for pdl in (True, False):
+            monkeypatch.setattr(cuda, "PDL", pdl)
+            outs.append(run_kernel(case, max_query_len=1, splits=splits))
+        assert torch.equal(*outs)
+    assert rel_err(outs[0], reference(case)) < _native_tol(case)
+    first = cuda_native.PDL_WAIT_FIRST if kind == "half" else cuda_native.PDL_AFTER_QUANTIZE
+    assert launches == [first, cuda_native.PDL_OFF] * 20
 
 
 def test_ops_route_to_the_cuda_kernels():

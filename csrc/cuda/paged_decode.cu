@@ -57,6 +57,11 @@
 // B=64 L=8192, INT8 K+V, with the heads-first order: 306 -> 283 us, 78% -> 82% of peak DRAM
 // throughput.
 //
+// On sm_90 the op launches this kernel as a programmatic dependent launch (PDL): after
+// quantize_int8 it locates its tokens and starts its first tile copies before waiting for the
+// query, and it lets the split combine launch once its tiles are done. Under CUDA graphs on
+// the H200 that took 1.0-1.2 µs off an INT8 call at B=1 (benchmarks/RESULTS.md, call 41).
+//
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
 // values (unchecked on the GPU) never move a read outside the cache, the table or the query.
 #include <cuda_bf16.h>
@@ -115,6 +120,8 @@ struct Args {
   int group, num_blocks, max_blocks, batch, num_kv_heads;
   int page, page_shift;   // page_shift: log2(page) for a power of two, else -1
   int index64;            // bits 0, 1, 2: block_table, seq_lens, query_start are int64
+  int query_pending;      // 1: the grid this launch follows (PDL) writes only q and q_scale,
+                          // so lengths, table and cache are read before waiting for it
   int64_t q_stride_t, k_sh, v_sh, ks_sh, vs_sh, bt_sb;  // per-CTA bases: 64-bit (K/V bytes)
   uint32_t k_sb, k_st, v_sb, v_st;                       // per token: 16-byte units
   uint32_t ks_sb, ks_st, vs_sb, vs_st, bt_sn;            // per token: elements
@@ -183,6 +190,21 @@ __device__ __forceinline__ void load_chunk(const int8_t* p, uint32_t* w) {
     const uint2 x = *reinterpret_cast<const uint2*>(p);
     w[0] = x.x, w[1] = x.y;
   }
+}
+
+// Programmatic dependent launch (sm_90): a launch with the PDL attribute may start while the
+// grid before it still runs; grid_wait() returns once that grid has finished and its writes
+// are visible (at once without the attribute), and grid_release() lets the grid after this
+// one start early (it waits the same way before reading what this one wrote).
+__device__ __forceinline__ void grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // 2^x in one MUFU op (exp2f adds a denormal range fix around it); 2^-inf = 0.
@@ -386,6 +408,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const float* ks_head = a.k_scale + kvh * a.ks_sh;
   const float* vs_head = a.v_scale + kvh * a.vs_sh;
 
+  if (!a.query_pending) grid_wait();  // everything may come from the grid before
   const int64_t seq_len = clamp(load_index(a.seq_lens, b, a.index64 & 2), 0,
                                 a.max_blocks * a.page);
   const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
@@ -400,29 +423,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int64_t first = kv_lo + warp * kTile;  // this warp's tiles: first + i * kCtaTokens
   const int num_tiles =
       first < kv_hi ? static_cast<int>((kv_hi - first + kCtaTokens - 1) / kCtaTokens) : 0;
-
-  // Q^T fragments (B operand of Q·K^T) of head g: the 16-byte chunks t, t + 4, ... of its row.
-  const int64_t head0 = static_cast<int64_t>(kvh) * group;
-  uint32_t qf[KW];
-  if (g < group) {
-    const int8_t* q_row = static_cast<const int8_t*>(a.q) +
-                          (token * a.q_stride_t + (head0 + g) * D) * T::kb;
-#pragma unroll
-    for (int c = 0; c < KC; ++c) load_chunk<16, true>(q_row + (t + 4 * c) * 16, qf + 4 * c);
-  } else {
-#pragma unroll
-    for (int i = 0; i < KW; ++i) qf[i] = 0;
-  }
-  float qs[2];  // (q_scale *) softmax scale of heads 2t, 2t+1 (0 for padding heads)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool real = 2 * t + h < group;
-    if constexpr (kK8) {
-      qs[h] = real ? a.q_scale[token * a.num_q_heads + head0 + 2 * t + h] * a.scale_log2 : 0.f;
-    } else {
-      qs[h] = real ? a.scale_log2 : 0.f;
-    }
-  }
 
   const bool table64 = a.index64 & 1;
   const int64_t table_row = static_cast<int64_t>(b) * a.bt_sb;
@@ -469,6 +469,32 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       cp_async_commit();  // empty groups keep the wait count uniform
     }
     if (num_tiles > 0) next_at = locate_lane(S);  // else no table row to read
+  }
+
+  // Q^T fragments (B operand of Q·K^T) of head g: the 16-byte chunks t, t + 4, ... of its row.
+  // Read after the first tiles are in flight: with query_pending they are the only inputs
+  // the grid before may still be writing.
+  if (a.query_pending) grid_wait();
+  const int64_t head0 = static_cast<int64_t>(kvh) * group;
+  uint32_t qf[KW];
+  if (g < group) {
+    const int8_t* q_row = static_cast<const int8_t*>(a.q) +
+                          (token * a.q_stride_t + (head0 + g) * D) * T::kb;
+#pragma unroll
+    for (int c = 0; c < KC; ++c) load_chunk<16, true>(q_row + (t + 4 * c) * 16, qf + 4 * c);
+  } else {
+#pragma unroll
+    for (int i = 0; i < KW; ++i) qf[i] = 0;
+  }
+  float qs[2];  // (q_scale *) softmax scale of heads 2t, 2t+1 (0 for padding heads)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool real = 2 * t + h < group;
+    if constexpr (kK8) {
+      qs[h] = real ? a.q_scale[token * a.num_q_heads + head0 + 2 * t + h] * a.scale_log2 : 0.f;
+    } else {
+      qs[h] = real ? a.scale_log2 : 0.f;
+    }
   }
 
   // This thread's reads of a staged tile, from its first rows: K chunks t + 4c of row g ROWS,
@@ -696,6 +722,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
   }
 
+  grid_release();  // a split combine after this grid may start; it waits for these writes
+
   // Merge the warps: each publishes its (m, l, O) per head; the CTA combines them. O goes
   // where the pipelines were, so every warp must be done with its tiles first.
   if constexpr (S > 0) cp_async_wait<0>();
@@ -735,10 +763,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   }
 }
 
-// One variant: launch it (grid.x > 0), or with grid.x == 0 write how many of its CTAs fit
-// on one multiprocessor to *resident.
+// One variant: launch it (grid.x > 0; with pdl, as a programmatic dependent launch), or with
+// grid.x == 0 write how many of its CTAs fit on one multiprocessor to *resident.
 template <int D, int S, int KIND, typename E>
-cudaError_t run_variant(const Args& a, dim3 grid, cudaStream_t stream, int* resident) {
+cudaError_t run_variant(const Args& a, dim3 grid, bool pdl, cudaStream_t stream,
+                        int* resident) {
   constexpr int bytes = static_cast<int>(smem_bytes<D, S, KIND>());
   const auto kernel = paged_decode_kernel<D, S, KIND, E>;
   const cudaError_t opt_in = cudaFuncSetAttribute(  // beyond the 48 KB default, per device
@@ -747,36 +776,45 @@ cudaError_t run_variant(const Args& a, dim3 grid, cudaStream_t stream, int* resi
   if (grid.x == 0) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, bytes);
   }
-  kernel<<<grid, kWarps * 32, bytes, stream>>>(a);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = bytes, config.stream = stream;
+  config.attrs = &attr, config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, a);
 }
 
 // The built (head_dim, stages) variants of one kind; cuda_native.HEAD_DIMS and STAGES list
 // the same, and the Python side picks the stages.
 template <int KIND, typename E>
-cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid,
+cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid, bool pdl,
                           cudaStream_t stream, int* resident) {
   switch (head_dim * 16 + stages) {
-    case 64 * 16 + 0: return run_variant<64, 0, KIND, E>(a, grid, stream, resident);
-    case 64 * 16 + 1: return run_variant<64, 1, KIND, E>(a, grid, stream, resident);
-    case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, stream, resident);
-    case 128 * 16 + 0: return run_variant<128, 0, KIND, E>(a, grid, stream, resident);
-    case 128 * 16 + 1: return run_variant<128, 1, KIND, E>(a, grid, stream, resident);
-    case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, stream, resident);
-    case 256 * 16 + 0: return run_variant<256, 0, KIND, E>(a, grid, stream, resident);
-    case 256 * 16 + 1: return run_variant<256, 1, KIND, E>(a, grid, stream, resident);
-    case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, stream, resident);
+    case 64 * 16 + 0: return run_variant<64, 0, KIND, E>(a, grid, pdl, stream, resident);
+    case 64 * 16 + 1: return run_variant<64, 1, KIND, E>(a, grid, pdl, stream, resident);
+    case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, pdl, stream, resident);
+    case 128 * 16 + 0: return run_variant<128, 0, KIND, E>(a, grid, pdl, stream, resident);
+    case 128 * 16 + 1: return run_variant<128, 1, KIND, E>(a, grid, pdl, stream, resident);
+    case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, pdl, stream, resident);
+    case 256 * 16 + 0: return run_variant<256, 0, KIND, E>(a, grid, pdl, stream, resident);
+    case 256 * 16 + 1: return run_variant<256, 1, KIND, E>(a, grid, pdl, stream, resident);
+    case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, pdl, stream, resident);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename E>
-cudaError_t dispatch(const Args& a, int kind, int head_dim, int stages, dim3 grid,
+cudaError_t dispatch(const Args& a, int kind, int head_dim, int stages, dim3 grid, bool pdl,
                      cudaStream_t stream, int* resident) {
   switch (kind) {
-    case kInt8KV: return dispatch_dims<kInt8KV, E>(a, head_dim, stages, grid, stream, resident);
-    case kInt8K: return dispatch_dims<kInt8K, E>(a, head_dim, stages, grid, stream, resident);
-    case kHalf: return dispatch_dims<kHalf, E>(a, head_dim, stages, grid, stream, resident);
+    case kInt8KV:
+      return dispatch_dims<kInt8KV, E>(a, head_dim, stages, grid, pdl, stream, resident);
+    case kInt8K:
+      return dispatch_dims<kInt8K, E>(a, head_dim, stages, grid, pdl, stream, resident);
+    case kHalf:
+      return dispatch_dims<kHalf, E>(a, head_dim, stages, grid, pdl, stream, resident);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -806,13 +844,16 @@ extern "C" {
 
 // Launches on `stream` (the caller's current torch stream); returns a cudaError_t code.
 // kind: a Kind; out_dtype: 0 bfloat16, 1 float16 (also the query's, and a 16-bit cache's);
-// index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. sizes:
+// index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. pdl
+// (sm_90 only): 0 a plain launch; 1 a programmatic dependent launch that waits for the grid
+// before it ahead of its first read; 2 the same after a grid that writes only q and q_scale
+// (quantize_int8, launched plainly), so everything else is read before the wait. sizes:
 // num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a
 // power of two); strides: the query's token stride (elements), then (block, token, head)
 // of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
 // column). The caller guarantees what cuda_native.decode_unsupported checks (alignment,
 // 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
-int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64,
+int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64, int pdl,
                      int head_dim, int stages, int64_t batch, int64_t num_kv_heads,
                      int64_t splits, const void* q, const float* q_scale, const void* k,
                      const void* v, const float* k_scale, const float* v_scale,
@@ -829,7 +870,7 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.num_tokens = sizes[0], a.num_q_heads = sizes[1];
   a.group = static_cast<int>(sizes[2]), a.num_blocks = static_cast<int>(sizes[3]);
   a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
-  a.page_shift = static_cast<int>(sizes[6]), a.index64 = index64;
+  a.page_shift = static_cast<int>(sizes[6]), a.index64 = index64, a.query_pending = pdl == 2;
   a.batch = static_cast<int>(batch), a.num_kv_heads = static_cast<int>(num_kv_heads);
   // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
   // 32 bits (K/V in 16-byte units, scales and the table in elements).
@@ -843,8 +884,8 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   const dim3 grid(static_cast<unsigned>(num_kv_heads * batch * splits));  // heads fastest
   const auto s = static_cast<cudaStream_t>(stream);
   return out_dtype == 0
-             ? dispatch<__nv_bfloat16>(a, kind, head_dim, stages, grid, s, nullptr)
-             : dispatch<__half>(a, kind, head_dim, stages, grid, s, nullptr);
+             ? dispatch<__nv_bfloat16>(a, kind, head_dim, stages, grid, pdl > 0, s, nullptr)
+             : dispatch<__half>(a, kind, head_dim, stages, grid, pdl > 0, s, nullptr);
 }
 
 // CTAs of the (kind, head_dim, stages) variant that fit on one multiprocessor (registers and
@@ -852,8 +893,8 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
 int pagedfuse_decode_occupancy(int device, int kind, int head_dim, int stages, int* resident) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
-  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, stages, dim3(0, 1, 1), nullptr,
-                                 resident);
+  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, stages, dim3(0, 1, 1), false,
+                                 nullptr, resident);
 }
 
 // 0 when this build has machine code or PTX the device can run, else a cudaError_t code.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -24,6 +25,10 @@ PROGRAMS_PER_SM = 4  # split-KV target for head_dim 128 (see num_kv_splits)
 WAVE_FILL = 0.9  # a grid over several waves keeps at least this share of their slots busy
 UNDERFILLED = 4 / 3  # wanted splits from here on: one split leaves the GPU short of programs
 MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this many tiles
+# Programmatic dependent launch on sm_90 (PAGEDFUSE_PDL=0 turns it off, e.g. for a profiler
+# that serializes kernels): the CUDA C++ decode may start while quantize_int8 still runs, and
+# the split combine while the decode finishes, each waiting in the kernel for what it reads.
+PDL = os.environ.get("PAGEDFUSE_PDL", "1") != "0"
 
 
 class LaunchConfig(NamedTuple):
@@ -84,6 +89,11 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the Triton interpreter on CPU tensors (tests of the kernels' logic)
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
@@ -195,8 +205,9 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     plan = launch_plan(num_tokens, num_q_heads, num_kv_heads, head_dim, batch, context,
                        max_query_len, _sm_count(query.device), config or default)
     splits = plan.splits if splits is None else splits
+    pdl = PDL and _pdl_capable(query.device)
     # Pointer slots a specialisation does not read get any tensor (Triton needs a pointer).
-    q, q_scale = quantize_int8(query) if int8_k else (query, query)
+    q, q_scale = quantize_int8(query, release=pdl and native) if int8_k else (query, query)
     if native and not int8_k and not cuda_native.aligned_rows(q):
         q = query.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
     direct = splits == 1
@@ -210,7 +221,10 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         cuda_native.decode_into(out, q, q_scale if int8_k else None, key_cache, value_cache,
                                 key_scale, value_scale, block_table, seq_lens,
                                 query_start_loc, scale * LOG2E, splits,
-                                plan.config.num_stages, part_o, part_lse)
+                                plan.config.num_stages, part_o, part_lse,
+                                pdl=(cuda_native.PDL_OFF if not pdl else
+                                     cuda_native.PDL_AFTER_QUANTIZE if int8_k else
+                                     cuda_native.PDL_WAIT_FIRST))
     else:
         _launch_triton(plan, splits, out, q, q_scale, key_cache, value_cache, key_scale,
                        value_scale, block_table, seq_lens, query_start_loc, scale, causal,
@@ -218,8 +232,8 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     if not direct:
         combine_splits_kernel[(num_tokens * num_q_heads,)](
             part_o, part_lse, out, num_tokens * num_q_heads, splits,
-            SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
-            num_warps=max(1, min(4, head_dim // 64)),
+            SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim, WAIT=pdl,
+            num_warps=max(1, min(4, head_dim // 64)), launch_pdl=pdl,
         )
 
 

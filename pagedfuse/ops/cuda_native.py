@@ -27,11 +27,16 @@ MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 WARPS = 4  # per CTA, each on its own tiles
 ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 INT8 V)
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
+# How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
+# launch that waits for the grid before it ahead of any read; or as one right after
+# quantize_int8's grid (which releases it early), reading all but the query before waiting.
+PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE = 0, 1, 2
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _DECODE_ARGTYPES = [
-    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # device, stream, codes
+    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # device,
+    # stream, kind, out_dtype, index64, pdl
     ctypes.c_int, ctypes.c_int,  # head_dim, stages
     _I64, _I64, _I64,  # batch, KV heads, splits
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
@@ -144,11 +149,11 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                 key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
                 block_table: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, scale_log2: float, splits: int, stages: int,
-                part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+                part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF) -> None:
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
     else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
     writes ``part_o``/``part_lse`` for the combine kernel. ``stages``: one of
-    STAGES."""
+    STAGES. ``pdl``: one of PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
@@ -172,7 +177,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
         0 if out.dtype == torch.bfloat16 else 1,
         sum(1 << i for i, t in enumerate((block_table, seq_lens, query_start_loc))
             if t.dtype == torch.int64),
-        head_dim, stages,
+        pdl, head_dim, stages,
         batch, num_kv_heads, splits,
         *((t if t is not None else out).data_ptr() for t in tensors),
         scale_log2, sizes, strides)

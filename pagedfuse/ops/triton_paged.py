@@ -169,8 +169,12 @@ def paged_attention_kernel(
 
 @triton.jit
 def combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows, num_splits,
-                          SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Merge the splits' partial rows of one (token, head); a row no key reached gets 0."""
+                          SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          WAIT: tl.constexpr = False):
+    """Merge the splits' partial rows of one (token, head); a row no key reached gets 0.
+    WAIT: launched as a programmatic dependent launch, so wait for the attention grid."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
