@@ -183,6 +183,26 @@ def test_wave_splits_avoid_a_mostly_idle_last_wave(programs, slots, chosen):
     assert cuda.wave_splits(programs, slots) == chosen
 
 
+@pytest.mark.parametrize(("programs", "slots", "pow2", "chosen"), [
+    (64, 396, True, 4),  # llama3_8b B=8 at 3 CTAs per SM: bf16
+    (64, 396, False, 6),  # INT8 K: 6 measured 1.7-2.9% faster than 4
+    (32, 396, False, 12),  # tinyllama B=8
+    (32, 264, False, 8),  # qwen35 B=8: 8 either way
+])
+def test_one_wave_split_count(programs, slots, pow2, chosen):
+    from pagedfuse.ops import cuda
+
+    assert cuda.wave_splits(programs, slots, pow2=pow2) == chosen
+
+
+@pytest.mark.parametrize(("kind", "pow2"), [("int8_k", False), ("int8_kv", True),
+                                            ("half", True)])
+def test_only_int8_k_fills_its_wave_with_any_count(kind, pow2):
+    from pagedfuse.ops import cuda
+
+    assert cuda.native_config(kind, 128, torch.device("cuda")).pow2_wave is pow2
+
+
 PREFILL_CASES = {
     "causal-varlen": dict(q_lens=[5, 1, 17], causal=True),
     "noncausal-varlen-gqa6": dict(q_lens=[3, 9], hq=12, hkv=2),

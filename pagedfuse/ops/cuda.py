@@ -35,13 +35,15 @@ class LaunchConfig(NamedTuple):
     """Tile and pipelining choices for one kernel specialisation; ``fill_splits``: the
     splits a long context takes when one split under-fills the GPU (1: no such rule);
     ``resident``: programs that fit on one SM, where known (then the split count fills one
-    wave, see num_kv_splits)."""
+    wave, see num_kv_splits); ``pow2_wave``: that count is a power of two, else the most
+    that fit."""
 
     block_n: int
     num_warps: int
     num_stages: int
     fill_splits: int = 1
     resident: int = 0
+    pow2_wave: bool = True
 
 
 def launch_config(int8_k: bool) -> LaunchConfig:
@@ -63,10 +65,14 @@ def native_config(kind: str, head_dim: int, device: torch.device,
                   stages: int | None = None) -> LaunchConfig:
     """The CUDA C++ decode: block_n is the keys a CTA steps over at a time (the split
     heuristic's tile); num_stages is its pipeline depth, by default NATIVE_STAGES;
-    resident is the CUDA occupancy of that variant."""
+    resident is the CUDA occupancy of that variant. INT8 K with a 16-bit V fills its one
+    wave with as many splits as fit: on the H200 at B=8, 6 splits (3 CTAs per SM, 8 KV
+    heads) were 1.7-2.9% faster than 4 and 12 (tinyllama) as fast as 8, where the same
+    6 splits cost bf16 10-13% (benchmarks/RESULTS.md, call 36)."""
     stages = NATIVE_STAGES if stages is None else stages
     return LaunchConfig(cuda_native.cta_tokens(kind, head_dim), cuda_native.WARPS, stages,
-                        resident=cuda_native.decode_resident(device, kind, head_dim, stages))
+                        resident=cuda_native.decode_resident(device, kind, head_dim, stages),
+                        pow2_wave=kind != "int8_k")
 
 
 def native_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -108,8 +114,8 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
     GPU and 2 measured slow, 4 was 3-9% faster. Fitted to the H200 sweeps in NOTES-gpu.md."""
     tiles = -(-context // config.block_n)
     if config.resident:
-        return max(1, min(wave_splits(batch * num_kv_heads, config.resident * sm_count),
-                          tiles))
+        return max(1, min(wave_splits(batch * num_kv_heads, config.resident * sm_count,
+                                      pow2=config.pow2_wave), tiles))
     target = PROGRAMS_PER_SM * sm_count * math.sqrt(128 / head_dim)
     wanted = max(1.0, target / max(batch * num_kv_heads, 1))
     splits = 1 << int(math.log2(wanted))
@@ -119,14 +125,16 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
     return max(1, min(splits, tiles))
 
 
-def wave_splits(programs: int, slots: int, max_splits: int = 8) -> int:
+def wave_splits(programs: int, slots: int, max_splits: int = 8, pow2: bool = True) -> int:
     """Splits for a grid of ``programs`` x splits on a GPU that runs ``slots`` programs at
-    once. If one split fits in one wave: the largest power of two that still does. If not:
+    once. If one split fits in one wave: the largest power of two that still does (or with
+    ``pow2`` False the largest count). If not:
     the fewest splits whose last wave is at least WAVE_FILL full, since a partial wave idles
     the rest of the GPU for a whole program's time (H200 sweep in NOTES-gpu.md: 512 programs
     on 396 slots took 416 µs at 1 split, 339 µs at 2 and 319 µs at 3, the rule's choice)."""
     if programs <= slots:
-        return 1 << ((slots // max(programs, 1)).bit_length() - 1)
+        fit = slots // max(programs, 1)
+        return 1 << (fit.bit_length() - 1) if pow2 else fit
 
     def fill(splits: int) -> float:
         work = programs * splits
