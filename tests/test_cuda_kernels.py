@@ -188,6 +188,8 @@ def test_wave_splits_avoid_a_mostly_idle_last_wave(programs, slots, chosen):
     (64, 396, False, 6),  # INT8 K: 6 measured 1.7-2.9% faster than 4
     (32, 396, False, 12),  # tinyllama B=8
     (32, 264, False, 8),  # qwen35 B=8: 8 either way
+    (4, 264, False, 64),  # qwen35 B=1: not 66, which the combine would pad to 128
+    (8, 396, False, 48),  # llama3_8b B=1
 ])
 def test_one_wave_split_count(programs, slots, pow2, chosen):
     from pagedfuse.ops import cuda

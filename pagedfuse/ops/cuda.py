@@ -35,8 +35,8 @@ class LaunchConfig(NamedTuple):
     """Tile and pipelining choices for one kernel specialisation; ``fill_splits``: the
     splits a long context takes when one split under-fills the GPU (1: no such rule);
     ``resident``: programs that fit on one SM, where known (then the split count fills one
-    wave, see num_kv_splits); ``pow2_wave``: that count is a power of two, else the most
-    that fit."""
+    wave, see num_kv_splits); ``pow2_wave``: that count is a power of two (else see
+    wave_splits)."""
 
     block_n: int
     num_warps: int
@@ -66,9 +66,10 @@ def native_config(kind: str, head_dim: int, device: torch.device,
     """The CUDA C++ decode: block_n is the keys a CTA steps over at a time (the split
     heuristic's tile); num_stages is its pipeline depth, by default NATIVE_STAGES;
     resident is the CUDA occupancy of that variant. INT8 K with a 16-bit V fills its one
-    wave with as many splits as fit: on the H200 at B=8, 6 splits (3 CTAs per SM, 8 KV
-    heads) were 1.7-2.9% faster than 4 and 12 (tinyllama) as fast as 8, where the same
-    6 splits cost bf16 10-13% (benchmarks/RESULTS.md, call 36)."""
+    wave closer than a power of two of splits does (wave_splits): on the H200 at B=8, 6
+    splits (3 CTAs per SM, 8 KV heads) were 1.7-2.9% faster than 4 and 12 (tinyllama) as
+    fast as 8, where the same 6 splits cost bf16 10-13% (benchmarks/RESULTS.md, calls 36
+    and 43)."""
     stages = NATIVE_STAGES if stages is None else stages
     return LaunchConfig(cuda_native.cta_tokens(kind, head_dim), cuda_native.WARPS, stages,
                         resident=cuda_native.decode_resident(device, kind, head_dim, stages),
@@ -127,14 +128,17 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
 
 def wave_splits(programs: int, slots: int, max_splits: int = 8, pow2: bool = True) -> int:
     """Splits for a grid of ``programs`` x splits on a GPU that runs ``slots`` programs at
-    once. If one split fits in one wave: the largest power of two that still does (or with
-    ``pow2`` False the largest count). If not:
+    once. If one split fits in one wave: the largest power of two that still does, or with
+    ``pow2`` False the largest 2^k or 3 * 2^k (not any count: the split combine pads it to
+    a power of two, so one just above a power of two doubles the combine's work; on the
+    H200 qwen35 INT8 K at B=1 took 28.5 µs with 66 splits, 24.6 with 64). If not:
     the fewest splits whose last wave is at least WAVE_FILL full, since a partial wave idles
     the rest of the GPU for a whole program's time (H200 sweep in NOTES-gpu.md: 512 programs
     on 396 slots took 416 µs at 1 split, 339 µs at 2 and 319 µs at 3, the rule's choice)."""
     if programs <= slots:
         fit = slots // max(programs, 1)
-        return 1 << (fit.bit_length() - 1) if pow2 else fit
+        top = 1 << (fit.bit_length() - 1)
+        return top * 3 // 2 if not pow2 and fit >= top * 3 // 2 else top
 
     def fill(splits: int) -> float:
         work = programs * splits
