@@ -199,7 +199,7 @@ def test_one_wave_split_count(programs, slots, pow2, chosen):
 
 @pytest.mark.parametrize(("kind", "pow2"), [("int8_k", False), ("int8_kv", True),
                                             ("half", True)])
-def test_only_int8_k_fills_its_wave_with_any_count(kind, pow2):
+def test_only_int8_k_leaves_powers_of_two_for_its_wave(kind, pow2):
     from pagedfuse.ops import cuda
 
     assert cuda.native_config(kind, 128, torch.device("cuda")).pow2_wave is pow2

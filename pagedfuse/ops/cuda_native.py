@@ -35,8 +35,8 @@ PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE = 0, 1, 2
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _DECODE_ARGTYPES = [
-    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # device,
-    # stream, kind, out_dtype, index64, pdl
+    # device, stream, kind, out_dtype, index64, pdl
+    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_int, ctypes.c_int,  # head_dim, stages
     _I64, _I64, _I64,  # batch, KV heads, splits
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors

@@ -46,7 +46,8 @@ def next_power_of_2(n: int) -> int:
 
 def quantize_int8(x: torch.Tensor, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_int8, scale = max|x| / 127 as float32) over the last dim, one program per row.
-    ``release`` (sm_90): let a programmatic dependent launch after it start at once."""
+    ``release`` (sm_90): each program, once its row is written, lets a programmatic
+    dependent launch after this grid start (the decode, which waits before reading q)."""
     row_len = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
