@@ -557,6 +557,7 @@ def sweep_overhead(bw: float) -> None:
     print(f"harness floor (one tiny kernel, same timing): {bench(empty.zero_, reps):.1f} us",
           flush=True)
     for gname, geo in GEOMETRIES.items():
+        alone_at = {}  # (kind, batch, length) -> (µs, bytes) of the kernel alone
         for batch, length in OVERHEAD_POINTS:
             if not _fits(geo, batch, length):
                 continue
@@ -568,6 +569,7 @@ def sweep_overhead(bw: float) -> None:
                 pf_cuda.PDL = True
                 on = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
                 alone = bench(_decode_alone(case, kind), reps)
+                alone_at[kind, batch, length] = alone, case.bytes(kind)
                 floor_us = case.bytes(kind) / bw * 1e6
                 cells.append(f"{kind} PDL off {off:.1f} / on {on:.1f} / decode alone "
                              f"{alone:.1f} (floor {floor_us:.1f})")
@@ -576,6 +578,19 @@ def sweep_overhead(bw: float) -> None:
                   f"alone {quantize:.1f}", flush=True)
             del case
             torch.cuda.empty_cache()
+        for kind in TARGET_RATIOS:
+            short, long = alone_at.get((kind, 64, 8192)), alone_at.get((kind, 64, 32768))
+            if short and long:
+                fixed_us, rate = fixed_and_rate(*short, *long)
+                print(f"kernel alone {gname} {kind} B=64: fixed {fixed_us:.1f} us + bytes at "
+                      f"{100 * rate / bw:.1f}% of copy bandwidth", flush=True)
+
+
+def fixed_and_rate(short_us: float, short_bytes: int, long_us: float,
+                   long_bytes: int) -> tuple[float, float]:
+    """(fixed µs, bytes per second) of time = fixed + bytes / rate through two timings."""
+    rate = (long_bytes - short_bytes) / ((long_us - short_us) * 1e-6)
+    return short_us - short_bytes / rate * 1e6, rate
 
 
 def _decode_alone(case: Case, kind: str) -> Callable[[], None]:

@@ -89,3 +89,11 @@ def test_markdown_reads_back_and_lists_failures_and_b1_latency(monkeypatch):
     assert read[1]["us"] == pytest.approx(us)
     line = f"- tinyllama B=1 L=1536: pagedfuse {us['pagedfuse bf16']:.1f} vs cuDNN 80.0 "
     assert line + f"({us['pagedfuse bf16'] / 80:.2f}x); eager op call 150.0" in text
+
+
+def test_fixed_part_and_rate_come_back_from_two_timings():
+    """The overhead sweep's split of a kernel's time: fixed + bytes / rate."""
+    fixed, rate = 20.0, 4.3e12
+    timing = [(fixed + b / rate * 1e6, b) for b in (1.1e9, 4.4e9)]
+    got_fixed, got_rate = bench_decode.fixed_and_rate(*timing[0], *timing[1])
+    assert got_fixed == pytest.approx(fixed) and got_rate == pytest.approx(rate)
