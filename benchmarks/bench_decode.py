@@ -460,32 +460,41 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
 
     reps = dict(warmup=5, rep=20)
     device = torch.device("cuda")
+
+    def visit(gname: str, case: Case) -> None:
+        (_, hkv, d), batch, length = case.geo, case.batch, case.length
+        contig_us = min(best_contiguous(case, reps).values())
+        for kind in kinds:
+            native = NATIVE_KIND[kind]
+            floor_us = case.bytes(kind) / bw * 1e6
+            triton_us = bench(lambda k=kind: _pf_call(case, k, native=False), reps)
+            default = pf_cuda.native_config(native, d, device)
+            auto = pf_cuda.num_kv_splits(batch, hkv, d, length, pf_cuda._sm_count(device),
+                                         default)
+            line = []
+            for stages in STAGES:
+                config = pf_cuda.native_config(native, d, device, stages)
+                for n in ((4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
+                    us = bench(lambda n=n, c=config, k=kind: _pf_call(
+                        case, k, config=c, splits=n, native=True), reps)
+                    line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
+            print(f"{kind} {gname} B={batch} L={length}: Triton {triton_us:.1f} "
+                  f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
+                  + ", ".join(line) + f"; default {default.num_stages}/{auto}; "
+                  f"contiguous bf16 SDPA {contig_us:.1f}", flush=True)
+
+    _each_case(((8, 8192), (8, 32768), (64, 8192), (64, 32768)), visit)
+
+
+def _each_case(points: tuple[tuple[int, int], ...],
+               visit: Callable[[str, Case], None]) -> None:
+    """visit(geometry name, case) for each geometry at each (B, L) of ``points`` that fits
+    in memory; a case is freed before the next one is built."""
     for gname, geo in GEOMETRIES.items():
-        for batch, length in ((8, 8192), (8, 32768), (64, 8192), (64, 32768)):
-            if not _fits(geo, batch, length):
-                continue
-            case = Case(geo, batch, length)
-            contig_us = min(best_contiguous(case, reps).values())
-            for kind in kinds:
-                native = NATIVE_KIND[kind]
-                floor_us = case.bytes(kind) / bw * 1e6
-                triton_us = bench(lambda cs=case, k=kind: _pf_call(cs, k, native=False), reps)
-                default = pf_cuda.native_config(native, geo[2], device)
-                auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length,
-                                             pf_cuda._sm_count(device), default)
-                line = []
-                for stages in STAGES:
-                    config = pf_cuda.native_config(native, geo[2], device, stages)
-                    for n in ((4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
-                        us = bench(lambda n=n, c=config, cs=case, k=kind: _pf_call(
-                            cs, k, config=c, splits=n, native=True), reps)
-                        line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
-                print(f"{kind} {gname} B={batch} L={length}: Triton {triton_us:.1f} "
-                      f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
-                      + ", ".join(line) + f"; default {default.num_stages}/{auto}; "
-                      f"contiguous bf16 SDPA {contig_us:.1f}", flush=True)
-            del case
-            torch.cuda.empty_cache()
+        for batch, length in points:
+            if _fits(geo, batch, length):
+                visit(gname, Case(geo, batch, length))
+                torch.cuda.empty_cache()
 
 
 TARGET_POINTS = ((64, 8192), (64, 32768), (8, 32768))  # the issue's KV >= 1 GB points
@@ -531,16 +540,9 @@ def sweep_targets(bw: float) -> None:
     """Each cache format's default path at the issue's KV >= 1 GB points, as its ratio to
     contiguous SDPA next to the target: one line per point, for comparing kernel builds."""
     reps = dict(warmup=5, rep=20)
-    for gname, geo in GEOMETRIES.items():
-        for batch, length in TARGET_POINTS:
-            if not _fits(geo, batch, length):
-                continue
-            case = Case(geo, batch, length)
-            contig_us = min(best_contiguous(case, reps).values())
-            print_default_paths(f"targets {gname} B={batch} L={length}", case, bw, contig_us,
-                                reps)
-            del case
-            torch.cuda.empty_cache()
+    _each_case(TARGET_POINTS, lambda gname, case: print_default_paths(
+        f"targets {gname} B={case.batch} L={case.length}", case, bw,
+        min(best_contiguous(case, reps).values()), reps))
 
 
 OVERHEAD_POINTS = ((1, 8192), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
@@ -556,30 +558,31 @@ def sweep_overhead(bw: float) -> None:
     empty = torch.zeros(1, device="cuda")
     print(f"harness floor (one tiny kernel, same timing): {bench(empty.zero_, reps):.1f} us",
           flush=True)
-    for gname, geo in GEOMETRIES.items():
-        alone_at = {}  # (kind, batch, length) -> (µs, bytes) of the kernel alone
-        for batch, length in OVERHEAD_POINTS:
-            if not _fits(geo, batch, length):
-                continue
-            case = Case(geo, batch, length)
-            cells = []
-            for kind in TARGET_RATIOS:
-                pf_cuda.PDL = False
-                off = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
-                pf_cuda.PDL = True
-                on = bench(lambda k=kind, cs=case: _pf_call(cs, k), reps)
-                alone = bench(_decode_alone(case, kind), reps)
-                alone_at[kind, batch, length] = alone, case.bytes(kind)
-                floor_us = case.bytes(kind) / bw * 1e6
-                cells.append(f"{kind} PDL off {off:.1f} / on {on:.1f} / decode alone "
-                             f"{alone:.1f} (floor {floor_us:.1f})")
-            quantize = bench(lambda cs=case: OPS.quantize_int8(cs.q), reps)
-            print(f"overhead {gname} B={batch} L={length}: {'; '.join(cells)}; quantize "
-                  f"alone {quantize:.1f}", flush=True)
-            del case
-            torch.cuda.empty_cache()
+    alone_at = {}  # (geometry, kind, B, L) -> (µs, bytes) of the kernel alone
+
+    def visit(gname: str, case: Case) -> None:
+        cells = []
         for kind in TARGET_RATIOS:
-            short, long = alone_at.get((kind, 64, 8192)), alone_at.get((kind, 64, 32768))
+            pf_cuda.PDL = False
+            off = bench(lambda k=kind: _pf_call(case, k), reps)
+            pf_cuda.PDL = True
+            on = bench(lambda k=kind: _pf_call(case, k), reps)
+            alone = bench(_decode_alone(case, kind), reps)
+            alone_at[gname, kind, case.batch, case.length] = alone, case.bytes(kind)
+            floor_us = case.bytes(kind) / bw * 1e6
+            cells.append(f"{kind} PDL off {off:.1f} / on {on:.1f} / decode alone "
+                         f"{alone:.1f} (floor {floor_us:.1f})")
+        quantize = bench(lambda: OPS.quantize_int8(case.q), reps)
+        print(f"overhead {gname} B={case.batch} L={case.length}: {'; '.join(cells)}; "
+              f"quantize alone {quantize:.1f}", flush=True)
+
+    pdl = pf_cuda.PDL
+    _each_case(OVERHEAD_POINTS, visit)
+    pf_cuda.PDL = pdl  # PAGEDFUSE_PDL's setting again, for what runs after
+    for gname in GEOMETRIES:
+        for kind in TARGET_RATIOS:
+            short = alone_at.get((gname, kind, 64, 8192))
+            long = alone_at.get((gname, kind, 64, 32768))
             if short and long:
                 fixed_us, rate = fixed_and_rate(*short, *long)
                 print(f"kernel alone {gname} {kind} B=64: fixed {fixed_us:.1f} us + bytes at "
