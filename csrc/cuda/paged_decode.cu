@@ -60,7 +60,7 @@
 // On sm_90 the op launches this kernel as a programmatic dependent launch (PDL): after
 // quantize_int8 it locates its tokens and starts its first tile copies before waiting for the
 // query, and it lets the split combine launch once its tiles are done. Under CUDA graphs on
-// the H200 that took 1.0-1.2 µs off an INT8 call at B=1 (benchmarks/RESULTS.md, calls 41-44).
+// the H200 that took 0.8-1.2 µs off an INT8 call at B=1 (benchmarks/RESULTS.md, calls 41-44).
 //
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
 // values (unchecked on the GPU) never move a read outside the cache, the table or the query.
