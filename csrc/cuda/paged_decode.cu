@@ -7,10 +7,10 @@
 // Why C++: the 8-bit MMA needs its reduction dim contiguous in each operand. For Q·K^T that
 // is head_dim, which K rows already are. For P·V it is the token dim, while V rows are
 // head_dim-contiguous and ldmatrix.trans moves 16-bit elements only, so Triton transposes
-// the V tile byte by byte through shared memory. Here each thread reads 16-byte rows of V
-// into registers and transposes 4x4 byte blocks with __byte_perm (8 PRMT per 16 bytes): V is
-// never moved or converted element by element. 16-bit V pairs two tokens' halves with one
-// PRMT per word, and the 16-bit kinds share the INT8 kernel's tuned skeleton (block-table
+// the V tile byte by byte through shared memory. Here ldmatrix.trans moves V's byte pairs
+// (two dims of one token) and one PRMT per fragment word splits each pair of them into the
+// two dims' 4 tokens: V is never moved or converted element by element. 16-bit V needs no
+// PRMT at all, and the 16-bit kinds share the INT8 kernel's tuned skeleton (block-table
 // reads, pipeline, lazy softmax, merge) instead of Triton's.
 //
 // Work split: one CTA of 4 warps per (KV head, sequence, split), heads fastest, so the CTAs
@@ -20,18 +20,20 @@
 // end.
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
-// stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. Or
-// (S = 0) each tile loads straight into registers as it starts. The
+// stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. The
 // query heads of the group are the N = 8 columns of both MMAs (m16n8k32.s8 for 8-bit
 // operands, m16n8k16 for 16-bit ones):
 //   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = head dims
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
-// The reduction axes are free to permute, which picks the fragments so every operand is a
-// plain vector load from the staged tile: thread (g = lane / 4, t = lane % 4) reads K tokens
-// g R..g R + R - 1 (R = kTile / 8, so a thread's P values of one head are adjacent), the
-// 16-byte chunks t, t + 4, t + 8, ... of their rows (and of its query row), and V tokens
-// 4t..4t+3 of every 16, dims [g D/8, (g+1) D/8). The staged rows' chunks are XOR-swizzled
-// (Staged) so that each of these reads meets every shared-memory bank once.
+// The reduction axes and P·V's M are free to permute, which picks the fragments so every
+// operand is a plain read of the staged tile: thread (g = lane / 4, t = lane % 4) reads K
+// tokens g R..g R + R - 1 (R = kTile / 8, so a thread's P values of one head are adjacent)
+// as vector loads of the 16-byte chunks t, t + 4, t + 8, ... of their rows (and of its query
+// row). P·V's K steps take tokens 4t..4t+3 of every 16 in thread t's fragments: the
+// ldmatrix rows of one 8x8 matrix are tokens {0, 1, 4, 5, 8, 9, 12, 13} (+ 2, + 16), so
+// lane t's two rows are tokens 4t, 4t + 1. Its M rows are dims 2g, 2g + 1 of each 16 (8-bit
+// V) or g, g + 8 (16-bit V). The staged rows' chunks are XOR-swizzled (Staged) so that
+// each of these reads meets every shared-memory bank once.
 // P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256-512
 // bytes of shared memory per warp, one word (8 bytes at head_dim 64 with 16-bit V) per head
 // and thread.
@@ -39,7 +41,9 @@
 // INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
 // int8 (to nearest, ties to even, by adding 1.5 * 2^23 and keeping the low byte; the Triton
 // kernel rounds ties away from zero), and the int32 result is scaled back into the fp32
-// accumulator. 16-bit P·V: P is rounded to V's dtype (as FlashAttention
+// accumulator (the MMA starts from the bits of 1.5 * 2^23, so the sum reads as that float
+// plus itself, exactly: an FADD instead of a quarter-rate I2F). 16-bit P·V: P is rounded to
+// V's dtype (as FlashAttention
 // does) and the MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
 // softmax scale * log2(e) times the dot (INT8 K), or softmax scale * log2(e) times it, then
 // an exp2 online softmax (ex2.approx.ftz: one instruction; scores are at most kLazyMax above
@@ -97,8 +101,7 @@ struct Traits {
   static constexpr int kb = KIND == kHalf ? 2 : 1;
   static constexpr int vb = KIND == kInt8KV ? 1 : 2;
   static constexpr int tile = KIND == kInt8KV || D == 64 ? 32 : 16;
-  static constexpr int rows = tile / 8;                          // K rows per thread
-  static constexpr int vc = D * vb / 8 >= 16 ? D * vb / 128 : 1;  // V chunks per thread
+  static constexpr int rows = tile / 8;  // K rows per thread
 };
 
 struct Args {
@@ -162,34 +165,20 @@ __device__ __forceinline__ void mma_16(float& c0, float& c1, float& c2, float& c
   }
 }
 
-// Words w[0..3] hold 4 bytes (dims e = 0..3) of tokens 0..3; u[e] gets dim e of tokens 0..3.
-__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&u)[4]) {
-  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140), x1 = __byte_perm(w[0], w[1], 0x7362);
-  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140), y1 = __byte_perm(w[2], w[3], 0x7362);
-  u[0] = __byte_perm(x0, y0, 0x5410);
-  u[1] = __byte_perm(x0, y0, 0x7632);
-  u[2] = __byte_perm(x1, y1, 0x5410);
-  u[3] = __byte_perm(x1, y1, 0x7632);
+// 16 bytes of the query from global memory, through the read-only path.
+__device__ __forceinline__ void load_global16(const int8_t* p, uint32_t* w) {
+  asm("ld.global.nc" PF_L2_HINT ".v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+      : "l"(p));
 }
 
-// NB = 16 or 8 bytes (p aligned to that) into NB / 4 words, from global memory through the
-// read-only path (kGlobal) or from shared memory.
-template <int NB, bool kGlobal>
-__device__ __forceinline__ void load_chunk(const int8_t* p, uint32_t* w) {
-  static_assert(NB == 16 || NB == 8, "unsupported row chunk");
-  if constexpr (kGlobal && NB == 16) {
-    asm("ld.global.nc" PF_L2_HINT ".v4.u32 {%0,%1,%2,%3}, [%4];\n"
-        : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-        : "l"(p));
-  } else if constexpr (kGlobal) {
-    asm("ld.global.nc" PF_L2_HINT ".v2.u32 {%0,%1}, [%2];\n" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
-  } else if constexpr (NB == 16) {
-    const uint4 x = *reinterpret_cast<const uint4*>(p);
-    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
-  } else {
-    const uint2 x = *reinterpret_cast<const uint2*>(p);
-    w[0] = x.x, w[1] = x.y;
-  }
+// Four 8x8 matrices of 16-bit elements from shared memory, transposed: lane L gives the
+// address of row L % 8 of matrix L / 8 (16 bytes), and w[i] of thread (g, t) gets matrix i's
+// rows 2t (low half) and 2t + 1 (high half) at column g.
+__device__ __forceinline__ void ldmatrix_x4_trans(const void* p, uint32_t (&w)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
 }
 
 // Programmatic dependent launch (sm_90): a launch with the PDL attribute may start while the
@@ -287,36 +276,32 @@ __device__ __forceinline__ void cp_async_wait() {
 // from the tile's start. The layout lets every fragment read meet each of the 32 banks (4
 // bytes wide, 128 bytes around) once, where plain rows met some banks 2-8 times:
 //   K (kV false): the 8 lanes of a 16-byte read are the t of a g pair, reading chunks
-//     t + 4i of a row of g and one of g + 1: chunk bit 2 flips with g's parity.
-//   V (kV true): they are the t of a g pair, reading chunks g kVChunks + i of the rows of the
-//     4 t (row bits 2-3): t moves the chunk's bank group by the bits other than kVChunks's.
-// 64-byte rows (8-bit head_dim 64) lie two to 128 bytes of banks, so every 4 rows are
-// followed by a 64-byte gap: rows 4 apart fall in opposite halves, and V chunks flip bit 1
-// with row bit 3.
-// The XOR depends on a row's g (K) or t (V) only, so a thread's reads are a base per chunk
-// plus gap(rows) (from a row that is a multiple of 4), an immediate offset.
-template <int W, bool kV, int kRowsPerG, int kVChunks>
+//     t + 4i of a row of g and one of g + 1: chunk bit 2 flips with g's parity. 64-byte
+//     rows (8-bit head_dim 64) lie two to 128 bytes of banks, so every 4 rows are followed by
+//     a 64-byte gap: rows 4 apart fall in opposite halves.
+//   V (kV true): an ldmatrix phase reads one chunk of 8 rows that differ in row bits 0, 2
+//     and 3 (tokens {0, 1, 4, 5, 8, 9, 12, 13} + 2, + 16), which pick the chunk's bank group
+//     (bit 0 picks the half of 128 bytes where two 64-byte rows share it).
+// The XOR depends on a row's g (K) or on the lane (V) only, so a thread's reads are a few
+// bases plus immediate offsets.
+template <int W, bool kV, int kRowsPerG>
 struct Staged {
   static constexpr int kChunks = W / 16;
-  static constexpr bool kGaps = kChunks == 4;
-  static_assert(kChunks >= 8 || kGaps, "rows of 64 bytes or of 128 and more");
-  static_assert(kV ? kVChunks == 1 || kVChunks == 2 || kVChunks == 4 : kRowsPerG >= 2,
-                "fragment reads this layout serves");
+  static constexpr bool kGaps = !kV && kChunks == 4;
+  static_assert(kChunks >= 8 || kChunks == 4, "rows of 64 bytes or of 128 and more");
+  static_assert(kV || kRowsPerG >= 2, "fragment reads this layout serves");
   __host__ __device__ static constexpr int gap(int rows) {
     return kGaps ? (rows + rows / 4) * W : rows * W;
   }
   __host__ __device__ static constexpr int bytes(int rows) { return gap(rows); }
   __device__ __forceinline__ static int at(int r, int c) {
     int f;
-    if constexpr (kGaps) {
-      f = kV ? ((r >> 3) & 1) << 1 : 0;
-    } else if constexpr (!kV) {
-      f = ((r / kRowsPerG) & 1) << 2;
+    if constexpr (kV) {
+      f = kChunks == 4 ? (r >> 2) & 3 : (r & 1) | ((r >> 1) & 6);
     } else {
-      const int t = (r >> 2) & 3;
-      f = kVChunks == 1 ? t << 1 : kVChunks == 2 ? (t & 1) | ((t & 2) << 1) : t;
+      f = kGaps ? 0 : ((r / kRowsPerG) & 1) << 2;
     }
-    return (kGaps ? (r + r / 4) * W : r * W) + ((c ^ f) << 4);
+    return gap(r) + ((c ^ f) << 4);
   }
 };
 
@@ -342,8 +327,8 @@ __device__ __forceinline__ void cp_async_rows(int8_t* dst, const int8_t* head, u
 template <int D, int KIND>
 struct TileBuf {
   using T = Traits<KIND, D>;
-  using KAt = Staged<D * T::kb, false, T::rows, T::vc>;  // where the K and V chunks lie
-  using VAt = Staged<D * T::vb, true, T::rows, T::vc>;
+  using KAt = Staged<D * T::kb, false, T::rows>;  // where the K and V chunks lie
+  using VAt = Staged<D * T::vb, true, T::rows>;
   int8_t k[KAt::bytes(T::tile)];
   int8_t v[VAt::bytes(T::tile)];
   float ks[T::tile];
@@ -359,29 +344,33 @@ __host__ __device__ constexpr size_t smem_bytes() {
   return pipeline > merge ? pipeline : merge;
 }
 
-// S: the stages of a warp's cp.async pipeline (S tiles in flight while one is computed), or
-// 0: no pipeline, each thread loads its fragments of the tile straight from global memory
-// into registers at the tile's start (nothing in flight during the math; loading the next
-// tile into the registers the last one freed measured slower on the H200, since the
-// registers it holds cost a CTA per SM). E: the output dtype, also the query's, and the
-// 16-bit cache's. At least 1 CTA per SM (rather than no bound) leaves ptxas free with
-// registers (head_dim 128 INT8 K+V: 196, so 2 CTAs per SM), which on the H200 measured up
-// to 4% faster for the INT8 kinds than builds held to 3 CTAs at head_dim 128 and 5 at 8-bit
-// head_dim 64, and as fast for 16-bit caches (benchmarks/NOTES-gpu.md, call 31).
+// CTAs per SM that ptxas must leave room for. 1 (rather than no bound) leaves it free with
+// registers (head_dim 128 INT8 K+V: about 200, so 2 CTAs per SM), which on the H200 measured
+// up to 4% faster for the INT8 kinds than builds held to 3 CTAs at head_dim 128 and 5 at
+// 8-bit head_dim 64, and as fast for 16-bit caches (benchmarks/NOTES-gpu.md, call 31). INT8
+// K+V at head_dim 64 is held to 4 (128 registers, no spill), where it measured fastest (call
+// 36); left free, ptxas takes 140-146 and 3 CTAs fit.
+template <int D, int KIND>
+constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
+
+// S >= 1: the stages of a warp's cp.async pipeline (S tiles in flight while one is
+// computed; loading each tile straight into registers as it starts measured slower on the
+// H200 for every format). E: the output dtype, also the query's, and the 16-bit cache's.
 template <int D, int S, int KIND, typename E>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+__global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
     paged_decode_kernel(const Args a) {
+  static_assert(S >= 1, "a cp.async pipeline of at least one stage");
   using T = Traits<KIND, D>;
   constexpr bool kK8 = KIND != kHalf, kV8 = KIND == kInt8KV;
   constexpr int kTile = T::tile, kCtaTokens = kWarps * kTile;  // split chunks: multiples
   constexpr int KR = D * T::kb / 4;  // K bytes per row per thread (its chunks t + 4i)
-  constexpr int VR = D * T::vb / 8;  // V bytes per row per thread (dims [g D/8, (g+1) D/8))
-  constexpr int KW = KR / 4, VW = VR / 4;  // ... in words
-  constexpr int KC = KR / 16;   // K chunks per row per thread
-  constexpr int VC = T::vc;     // V chunks per row per thread (VR = 8: half of one)
-  constexpr int VD = D / 8;     // output dims per thread
-  constexpr int ROWS = T::rows;  // K rows per thread: tokens g ROWS + j
-  constexpr int VTOK = kTile / 4;  // V rows per thread: tokens v_token(s)
+  constexpr int KW = KR / 4;         // ... in words
+  constexpr int KC = KR / 16;        // K chunks per row per thread
+  constexpr int VD = D / 8;          // output dims per thread: 2 of each 16
+  constexpr int ROWS = T::rows;      // K rows per thread: tokens g ROWS + j
+  // ldmatrix.x4 reads of a V tile: 8-bit V, one per 16 dims (32 tokens); 16-bit V, one per
+  // 16 dims and 16 tokens.
+  constexpr int VX = kV8 ? D / 16 : D / 16 * (kTile / 16);
   constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
   using Buf = TileBuf<D, KIND>;
   using KAt = typename Buf::KAt;
@@ -395,14 +384,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // The tile's V rows of this thread: tokens 4t..4t+3 of each 16 (the P·V A fragments).
-  auto v_token = [&](int s) { return (s / 4) * 16 + 4 * t + s % 4; };
   const int kvh = static_cast<int>(blockIdx.x % a.num_kv_heads);
   const unsigned rest = blockIdx.x / a.num_kv_heads;
   const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
   const int splits = static_cast<int>(gridDim.x / (a.num_kv_heads * a.batch));
   const int group = a.group;
-  Buf* bufs = reinterpret_cast<Buf*>(smem) + warp * (S > 0 ? S : 1);
+  Buf* bufs = reinterpret_cast<Buf*>(smem) + warp * S;
   const int8_t* k_head = a.k + kvh * a.k_sh;
   const int8_t* v_head = a.v + kvh * a.v_sh;
   const float* ks_head = a.k_scale + kvh * a.ks_sh;
@@ -444,7 +431,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   };
   // Copies tile i into its stage: lane L fetches row L's scales, then the K and V rows.
   auto issue = [&](int i, TokenAt at) {
-    Buf& buf = bufs[S > 0 ? i % S : 0];
+    Buf& buf = bufs[i % S];
     if constexpr (kK8) {
       if (lane < kTile) cp_async4(&buf.ks[lane], ks_head + at.ks);
     }
@@ -462,14 +449,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   // Prologue: the first S tiles in flight, and the rows of the next one located.
   TokenAt next_at{};
-  if constexpr (S > 0) {
 #pragma unroll
-    for (int i = 0; i < S; ++i) {
-      if (i < num_tiles) issue(i, locate_lane(i));
-      cp_async_commit();  // empty groups keep the wait count uniform
-    }
-    if (num_tiles > 0) next_at = locate_lane(S);  // else no table row to read
+  for (int i = 0; i < S; ++i) {
+    if (i < num_tiles) issue(i, locate_lane(i));
+    cp_async_commit();  // empty groups keep the wait count uniform
   }
+  if (num_tiles > 0) next_at = locate_lane(S);  // else no table row to read
 
   // Q^T fragments (B operand of Q·K^T) of head g: the 16-byte chunks t, t + 4, ... of its row.
   // Read after the first tiles are in flight: with query_pending they are the only inputs
@@ -481,7 +466,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int8_t* q_row = static_cast<const int8_t*>(a.q) +
                           (token * a.q_stride_t + (head0 + g) * D) * T::kb;
 #pragma unroll
-    for (int c = 0; c < KC; ++c) load_chunk<16, true>(q_row + (t + 4 * c) * 16, qf + 4 * c);
+    for (int c = 0; c < KC; ++c) load_global16(q_row + (t + 4 * c) * 16, qf + 4 * c);
   } else {
 #pragma unroll
     for (int i = 0; i < KW; ++i) qf[i] = 0;
@@ -497,70 +482,44 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
   }
 
-  // This thread's reads of a staged tile, from its first rows: K chunks t + 4c of row g ROWS,
-  // V chunks g VC + c of row 4t (8 bytes at VR = 8: half of chunk g / 2).
-  int k_frag[KC], v_frag[VC];
+  // This thread's reads of a staged tile: K chunks t + 4c of row g ROWS (then + gap(j)), and
+  // as lane L of an ldmatrix.x4, row L % 8 of matrix L / 8. 8-bit V: matrices 0-3 are
+  // tokens {0, 1, 4, 5, 8, 9, 12, 13} + {0, 2, 16, 18} of one 16-dim chunk. 16-bit V: tokens
+  // that + {0, 0, 2, 2} of 8-dim chunks {0, 1, 0, 1} of 16 dims (the m16n8k16 A fragment).
+  int k_frag[KC];
 #pragma unroll
   for (int c = 0; c < KC; ++c) k_frag[c] = KAt::at(g * ROWS, t + 4 * c);
-#pragma unroll
-  for (int c = 0; c < VC; ++c) {
-    v_frag[c] = VR < 16 ? VAt::at(4 * t, g / 2) + (g % 2) * 8 : VAt::at(4 * t, g * VC + c);
-  }
+  const int mat = lane >> 3, mrow = lane & 7;
+  const int v_row = (kV8 ? 16 * (mat >> 1) + 2 * (mat & 1) : 2 * (mat >> 1)) +
+                    4 * (mrow >> 1) + (mrow & 1);
+  auto v_at = [&](int x) {  // ldmatrix x: 16 dims (and, 16-bit V, 16 tokens) of the tile
+    constexpr int kDimChunks = D / 16;
+    if constexpr (kV8) return VAt::at(v_row, x);
+    return VAt::at(v_row + 16 * (x / kDimChunks), 2 * (x % kDimChunks) + (mat & 1));
+  };
 
   unsigned char* p_row = s_p[warp];
   for (int i = 0; i < num_tiles; ++i) {
     const int64_t tile = first + static_cast<int64_t>(i) * kCtaTokens;
-    // K rows of tokens g + 8j, V rows of tokens v_token(s).
-    uint32_t kw[ROWS][KW], vw[VTOK][VW];
-    float ks[ROWS], vs[ROWS];  // 1 where the cache has no scales
-    if constexpr (S > 0) {
-      cp_async_wait<S - 1>();  // tile i has landed (this lane's copies) ...
-      __syncwarp();            // ... and every lane's
-      const Buf& buf = bufs[i % S];
+    cp_async_wait<S - 1>();  // tile i has landed (this lane's copies) ...
+    __syncwarp();            // ... and every lane's
+    const Buf& buf = bufs[i % S];
+    // K rows of tokens g ROWS + j with their scales (1 where the cache has none), and V.
+    uint32_t kw[ROWS][KW], vm[VX][4];
+    float ks[ROWS], vs[ROWS];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
+    for (int j = 0; j < ROWS; ++j) {
 #pragma unroll
-        for (int c = 0; c < KC; ++c) {
-          load_chunk<16, false>(buf.k + k_frag[c] + KAt::gap(j), kw[j] + 4 * c);
-        }
-        ks[j] = kK8 ? buf.ks[g * ROWS + j] : 1.f;  // adjacent: vector loads
-        vs[j] = kV8 ? buf.vs[g * ROWS + j] : 1.f;
+      for (int c = 0; c < KC; ++c) {
+        const uint4 x = *reinterpret_cast<const uint4*>(buf.k + k_frag[c] + KAt::gap(j));
+        kw[j][4 * c] = x.x, kw[j][4 * c + 1] = x.y, kw[j][4 * c + 2] = x.z;
+        kw[j][4 * c + 3] = x.w;
       }
-#pragma unroll
-      for (int s = 0; s < VTOK; ++s) {
-        const int rows = v_token(s) - 4 * t;  // past row 4t
-#pragma unroll
-        for (int c = 0; c < VC; ++c) {
-          load_chunk<(VR < 16 ? VR : 16), false>(buf.v + v_frag[c] + VAt::gap(rows),
-                                                 vw[s] + 4 * c);
-        }
-      }
-    } else {  // each lane locates its own token; the rows' offsets and scales are shuffled
-      const TokenAt mine = locate_lane(i);
-      const float ks_mine = kK8 ? ks_head[mine.ks] : 1.f;
-      const float vs_mine = kV8 ? vs_head[mine.vs] : 1.f;
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        const int src = g * ROWS + j;
-        const uint32_t k_row = __shfl_sync(0xffffffffu, mine.k, src);
-        const int8_t* k_src = k_head + static_cast<size_t>(k_row) * 16;
-#pragma unroll
-        for (int c = 0; c < KC; ++c) load_chunk<16, true>(k_src + (t + 4 * c) * 16, kw[j] + 4 * c);
-        ks[j] = kK8 ? __shfl_sync(0xffffffffu, ks_mine, src) : 1.f;
-        vs[j] = kV8 ? __shfl_sync(0xffffffffu, vs_mine, src) : 1.f;
-      }
-#pragma unroll
-      for (int s = 0; s < VTOK; ++s) {
-        const uint32_t v_row = __shfl_sync(0xffffffffu, mine.v, v_token(s));
-        const int8_t* v_src = v_head + static_cast<size_t>(v_row) * 16 + g * VR;
-        if constexpr (VR == 8) {
-          load_chunk<8, true>(v_src, vw[s]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < VC; ++c) load_chunk<16, true>(v_src + 16 * c, vw[s] + 4 * c);
-        }
-      }
+      ks[j] = kK8 ? buf.ks[g * ROWS + j] : 1.f;  // adjacent: vector loads
+      vs[j] = kV8 ? buf.vs[g * ROWS + j] : 1.f;
     }
+#pragma unroll
+    for (int x = 0; x < VX; ++x) ldmatrix_x4_trans(buf.v + v_at(x), vm[x]);
 
     // S^T = K Q^T: m-tile mt holds tokens g ROWS + 2 mt (c0, c1) and g ROWS + 2 mt + 1 (c2,
     // c3).
@@ -592,12 +551,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
     // Tile i is in registers, and its K fragments are spent: its stage takes tile i + S,
     // whose latency then hides behind the rest of this tile's math.
-    if constexpr (S > 0) {
-      __syncwarp();  // every lane has read its part of the stage
-      if (i + S < num_tiles) issue(i + S, next_at);
-      cp_async_commit();
-      next_at = locate_lane(i + S + 1);
-    }
+    __syncwarp();  // every lane has read its part of the stage
+    if (i + S < num_tiles) issue(i + S, next_at);
+    cp_async_commit();
+    next_at = locate_lane(i + S + 1);
 
     // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P. Only the
     // last tile of a split has tokens past its end to mask (a warp-uniform branch).
@@ -670,7 +627,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     }
     __syncwarp();
-    // P^T fragments of head g: tokens v_token(4w..4w+3) in word w.
+    // P^T fragments of head g: tokens 4t..4t+3 of each 16, the V fragments' K order.
     uint32_t pb[PW];
 #pragma unroll
     for (int w = 0; w < PW; w += 2) {
@@ -686,38 +643,31 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __syncwarp();  // the next tile rewrites s_p
 
     if constexpr (kV8) {
-      // O^T += V^T P^T: m-tile (w, e) holds dims g D/8 + 4w + e (c0, c1) and + 1 (c2, c3).
+      // O^T += V^T P^T per 16 dims x: ldmatrix gave tokens 4t, 4t + 1 (word 0) and 4t + 2,
+      // 4t + 3 (word 1) of dims 2g, 2g + 1, so one PRMT per A word gathers one dim's 4 tokens.
+      // m-tile rows g, g + 8 are dims 16x + 2g (c0, c1) and 16x + 2g + 1 (c2, c3).
       static_assert(kTile == 32, "INT8 V: one P·V MMA K step per tile");
+      constexpr int kBias = 0x4B400000;  // the bits of 1.5 * 2^23: |V·P| < 2^22 stays exact
 #pragma unroll
-      for (int w = 0; w < VW; ++w) {
-        uint32_t lo[4], hi[4];
-        transpose4x4({vw[0][w], vw[1][w], vw[2][w], vw[3][w]}, lo);
-        transpose4x4({vw[4][w], vw[5][w], vw[6][w], vw[7][w]}, hi);
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          int acc[4] = {0, 0, 0, 0};
-          mma_s8(acc, lo[e], lo[e + 1], hi[e], hi[e + 1], pb[0], pb[1]);
-          const int d = 4 * w + e;
-          o[0][d] += static_cast<float>(acc[0]) * p_step[0];
-          o[1][d] += static_cast<float>(acc[1]) * p_step[1];
-          o[0][d + 1] += static_cast<float>(acc[2]) * p_step[0];
-          o[1][d + 1] += static_cast<float>(acc[3]) * p_step[1];
-        }
+      for (int x = 0; x < VX; ++x) {
+        const uint32_t(&w)[4] = vm[x];
+        int acc[4] = {kBias, kBias, kBias, kBias};
+        mma_s8(acc, __byte_perm(w[0], w[1], 0x6420), __byte_perm(w[0], w[1], 0x7531),
+               __byte_perm(w[2], w[3], 0x6420), __byte_perm(w[2], w[3], 0x7531), pb[0], pb[1]);
+        const auto value = [](int bits) { return __int_as_float(bits) - 12582912.f; };
+        o[0][2 * x] += value(acc[0]) * p_step[0];
+        o[1][2 * x] += value(acc[1]) * p_step[1];
+        o[0][2 * x + 1] += value(acc[2]) * p_step[0];
+        o[1][2 * x + 1] += value(acc[3]) * p_step[1];
       }
     } else {
-      // O^T += V^T P^T: m-tile w holds dims g D/8 + 2w (c0, c1) and + 1 (c2, c3); its A
-      // fragment pairs tokens (4t, 4t + 1) and (4t + 2, 4t + 3) of each dim.
+      // O^T += V^T P^T per 16 dims and 16 tokens: ldmatrix gave the A fragment as it is. m-tile
+      // rows g, g + 8 are dims 16c + g (c0, c1) and 16c + g + 8 (c2, c3).
 #pragma unroll
-      for (int w = 0; w < VW; ++w) {
-#pragma unroll
-        for (int kk = 0; kk < kTile / 16; ++kk) {
-          const int s = 4 * kk;  // V rows s..s+3
-          mma_16<E>(o[0][2 * w], o[1][2 * w], o[0][2 * w + 1], o[1][2 * w + 1],
-                    __byte_perm(vw[s][w], vw[s + 1][w], 0x5410),
-                    __byte_perm(vw[s][w], vw[s + 1][w], 0x7632),
-                    __byte_perm(vw[s + 2][w], vw[s + 3][w], 0x5410),
-                    __byte_perm(vw[s + 2][w], vw[s + 3][w], 0x7632), pb[2 * kk], pb[2 * kk + 1]);
-        }
+      for (int x = 0; x < VX; ++x) {
+        const int c = x % (D / 16), kk = x / (D / 16);
+        mma_16<E>(o[0][2 * c], o[1][2 * c], o[0][2 * c + 1], o[1][2 * c + 1], vm[x][0],
+                  vm[x][1], vm[x][2], vm[x][3], pb[2 * kk], pb[2 * kk + 1]);
       }
     }
   }
@@ -726,7 +676,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
   // Merge the warps: each publishes its (m, l, O) per head; the CTA combines them. O goes
   // where the pipelines were, so every warp must be done with its tiles first.
-  if constexpr (S > 0) cp_async_wait<0>();
+  cp_async_wait<0>();
   __syncthreads();
   auto s_o = reinterpret_cast<float(*)[kHeads][D]>(smem);
 #pragma unroll
@@ -734,7 +684,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const float lsum = warp_sum_over_g(l[h]);
     if (g == 0) s_m[warp][2 * t + h] = m[h], s_l[warp][2 * t + h] = lsum;
 #pragma unroll
-    for (int i = 0; i < VD; ++i) s_o[warp][2 * t + h][g * VD + i] = o[h][i];
+    for (int i = 0; i < VD; ++i) {  // o[h][2c + e]: dim 16c + 2g + e (8-bit V), 16c + g + 8e
+      const int dim = 16 * (i / 2) + (kV8 ? 2 * g + i % 2 : g + 8 * (i % 2));
+      s_o[warp][2 * t + h][dim] = o[h][i];
+    }
   }
   __syncthreads();
   const bool direct = splits == 1;
@@ -792,13 +745,10 @@ template <int KIND, typename E>
 cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid, bool pdl,
                           cudaStream_t stream, int* resident) {
   switch (head_dim * 16 + stages) {
-    case 64 * 16 + 0: return run_variant<64, 0, KIND, E>(a, grid, pdl, stream, resident);
     case 64 * 16 + 1: return run_variant<64, 1, KIND, E>(a, grid, pdl, stream, resident);
     case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, pdl, stream, resident);
-    case 128 * 16 + 0: return run_variant<128, 0, KIND, E>(a, grid, pdl, stream, resident);
     case 128 * 16 + 1: return run_variant<128, 1, KIND, E>(a, grid, pdl, stream, resident);
     case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, pdl, stream, resident);
-    case 256 * 16 + 0: return run_variant<256, 0, KIND, E>(a, grid, pdl, stream, resident);
     case 256 * 16 + 1: return run_variant<256, 1, KIND, E>(a, grid, pdl, stream, resident);
     case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, pdl, stream, resident);
     default: return cudaErrorInvalidValue;
@@ -902,7 +852,7 @@ int pagedfuse_decode_probe(int device) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, 0, kInt8KV, __nv_bfloat16>);
+  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, 1, kInt8KV, __nv_bfloat16>);
 }
 
 const char* pagedfuse_cuda_error_string(int code) {

@@ -19,13 +19,13 @@ LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
 KINDS = ("int8_kv", "int8_k", "half")
-# The launcher's switch builds every kind at each of these head dims and pipeline depths
-# (0: no pipeline, loads straight to registers).
+# The launcher's switch builds every kind at each of these head dims and cp.async pipeline
+# depths (tiles in flight per warp).
 HEAD_DIMS = (64, 128, 256)
-STAGES = (0, 1, 2)
+STAGES = (1, 2)
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 WARPS = 4  # per CTA, each on its own tiles
-ALIGN = 16  # bytes: the kernel reads 16-byte rows of K and V (8 for head_dim 64 INT8 V)
+ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 # How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
 # launch that waits for the grid before it ahead of any read; or as one right after
