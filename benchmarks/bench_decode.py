@@ -65,10 +65,13 @@ def copy_bandwidth(gb: float = 4.0) -> float:
 
 class Case:
     """One (geometry, B, L) problem on the GPU, all layouts the methods need; the cache's
-    blocks are in random order unless ``shuffle`` is False."""
+    blocks are in random order unless ``shuffle`` is False. The INT8 scales are token-major
+    ([blocks, page, Hkv] storage, each token's heads adjacent) unless ``scales_by_head``:
+    then a page's scales of one head are adjacent ([blocks, Hkv, page] storage, passed
+    transposed)."""
 
     def __init__(self, geo: tuple[int, int, int], batch: int, length: int, page: int = PAGE,
-                 shuffle: bool = True):
+                 shuffle: bool = True, scales_by_head: bool = False):
         hq, hkv, d = geo
         self.geo, self.batch, self.length = geo, batch, length
         self.scale = 1.0 / math.sqrt(d)
@@ -82,6 +85,9 @@ class Case:
         self.starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
         self.k8, self.ks = OPS.quantize_int8(self.k)
         self.v8, self.vs = OPS.quantize_int8(self.v)
+        if scales_by_head:
+            self.ks, self.vs = (s.transpose(1, 2).contiguous().transpose(1, 2)
+                                for s in (self.ks, self.vs))
         # [B, Hkv, L, D] contiguous: what a non-paged cache would hold
         self.k_contig = _gather(self.k, self.table).contiguous()
         self.v_contig = _gather(self.v, self.table).contiguous()
@@ -514,20 +520,21 @@ def print_default_paths(label: str, case: Case, bw: float, contig_us: float,
     print(f"{label}: {', '.join(cells)}; contiguous SDPA {contig_us:.1f}", flush=True)
 
 
-LAYOUTS = {"random page 16": (16, True), "in order page 16": (16, False),
-           "random page 128": (128, True)}
+LAYOUTS = {"random page 16": (16, True, False), "in order page 16": (16, False, False),
+           "random page 128": (128, True, False),
+           "random page 16, scales by head": (16, True, True)}
 
 
 def sweep_locality(bw: float) -> None:
     """What the page table's randomness costs: each cache format's default kernel at B=64
-    with the blocks in random order (the table's case), in order, and in random pages of
-    128 tokens, next to contiguous SDPA."""
+    with the blocks in random order (the table's case), in order, in random pages of 128
+    tokens, and in random pages with head-major INT8 scales, next to contiguous SDPA."""
     reps = dict(warmup=5, rep=20)
     for gname, geo in GEOMETRIES.items():
         for length in (8192, 32768):
             contig_us = None
-            for layout, (page, shuffle) in LAYOUTS.items():
-                case = Case(geo, 64, length, page=page, shuffle=shuffle)
+            for layout, (page, shuffle, by_head) in LAYOUTS.items():
+                case = Case(geo, 64, length, page=page, shuffle=shuffle, scales_by_head=by_head)
                 if contig_us is None:
                     contig_us = min(best_contiguous(case, reps).values())
                 print_default_paths(f"locality {gname} B=64 L={length} {layout}", case, bw,

@@ -94,13 +94,17 @@ enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
 
 // Bytes per K and V element, and the tokens of a warp's tile: 32 for INT8 V (its P·V MMA's
 // K), 16 for 16-bit V, 32 for 16-bit V at head_dim 64 (two MMA K steps; on the H200 4% faster
-// for bf16 and 10% for INT8 K at B=64 than 16; for INT8 V 64 measured no faster than 32).
+// for bf16 and 10% for INT8 K at B=64 than 16; for INT8 V 64 measured no faster than 32) and
+// for INT8 K at head_dim 128. There the 32-token tile takes 254 registers, so 2 CTAs per SM
+// rather than 3: llama3_8b at B=64 then fills its waves with 1 split instead of 3, 2.5%
+// faster at L=8192 on the H200, 1% slower at L=32768 (benchmarks/RESULTS.md, call 46).
 // cuda_native.cta_tokens mirrors this.
 template <int KIND, int D>
 struct Traits {
   static constexpr int kb = KIND == kHalf ? 2 : 1;
   static constexpr int vb = KIND == kInt8KV ? 1 : 2;
-  static constexpr int tile = KIND == kInt8KV || D == 64 ? 32 : 16;
+  static constexpr int tile = KIND == kInt8KV || D == 64 || (KIND == kInt8K && D == 128) ? 32
+                                                                                       : 16;
   static constexpr int rows = tile / 8;  // K rows per thread
 };
 

@@ -75,7 +75,8 @@ def kind_of(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
 def cta_tokens(kind: str, head_dim: int) -> int:
     """Keys a CTA steps over at a time (its 4 warps' tiles; the kernel's Traits): split
     chunks are multiples of it."""
-    return WARPS * (32 if kind == "int8_kv" or head_dim == 64 else 16)
+    wide = kind == "int8_kv" or head_dim == 64 or (kind == "int8_k" and head_dim == 128)
+    return WARPS * (32 if wide else 16)
 
 
 @functools.cache
