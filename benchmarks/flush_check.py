@@ -1,0 +1,72 @@
+"""How much of each kernel's time is the L2 flush's write-back, at llama3_8b.
+
+bench_decode.py times graph replays with triton's do_bench, which flushes the L2 by zeroing
+256 MB: every replay starts with up to an L2 of dirty lines to write back. A decode step in
+serving follows kernels that mostly read (weight GEMMs), which leave clean lines. This
+times each method after zeroing 256 MB, after reading 256 MB, and with no flush (where the
+replay's own launch is no longer hidden behind a flush kernel)::
+
+    python benchmarks/flush_check.py
+
+Contiguous SDPA here is cuDNN's (bench_decode.py's table takes the faster of cuDNN and
+flash; at B=8 flash is faster).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+from bench_decode import GEOMETRIES, Case, _pf_call, contiguous_sdpa
+
+POINTS = ((8, 8192), (64, 8192), (8, 32768))
+
+
+def replay_us(fn: Callable, flush: Callable, n: int = 50) -> float:
+    """Median µs from an event before to an event after one replay of ``fn``'s graph,
+    with ``flush`` run before each replay."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(n):
+        flush()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def check_point(batch: int, length: int, flushes: dict[str, Callable]) -> None:
+    case = Case(GEOMETRIES["llama3_8b"], batch, length)
+    hq, hkv, d = case.geo
+    q4 = case.q.view(batch, hkv, hq // hkv, d)
+    methods = {
+        "contiguous SDPA": lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig,
+                                                   case.scale),
+        **{kind: (lambda k=kind: _pf_call(case, k)) for kind in ("bf16", "int8_kv", "int8_k")},
+    }
+    for name, fn in methods.items():
+        cells = ", ".join(f"{label} {replay_us(fn, flush):.1f}"
+                          for label, flush in flushes.items())
+        print(f"llama3_8b B={batch} L={length} {name}: {cells}", flush=True)
+
+
+def main() -> None:
+    buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flushes = {"zero 256 MB": buf.zero_, "read 256 MB": lambda: buf.max(),
+               "none": lambda: None}
+    for batch, length in POINTS:
+        check_point(batch, length, flushes)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
