@@ -41,10 +41,10 @@
 // INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
 // int8 (to nearest, ties to even, by adding 1.5 * 2^23 and keeping the low byte; the Triton
 // kernel rounds ties away from zero), and the int32 result is scaled back into the fp32
-// accumulator (the MMA starts from the bits of 1.5 * 2^23, so the sum reads as that float
-// plus itself, exactly: an FADD instead of a quarter-rate I2F). 16-bit P·V: P is rounded to
-// V's dtype (as FlashAttention
-// does) and the MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
+// accumulator (the MMA starts from the bits of 1.5 * 2^23, so its int32 result read as a
+// float is exactly 1.5 * 2^23 plus the sum: one FADD recovers the sum instead of a
+// quarter-rate I2F). 16-bit P·V: P is rounded to V's dtype (as FlashAttention does) and the
+// MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
 // softmax scale * log2(e) times the dot (INT8 K), or softmax scale * log2(e) times it, then
 // an exp2 online softmax (ex2.approx.ftz: one instruction; scores are at most kLazyMax above
 // the running max, so nothing in range flushes).
