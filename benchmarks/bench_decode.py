@@ -170,15 +170,21 @@ def best_contiguous(case: Case, reps: dict) -> dict[str, float]:
     return times
 
 
-def bench(fn: Callable, reps: dict) -> float:
-    """Median µs of GPU time: one call captured in a CUDA graph and replayed with the L2
-    flushed before each replay, so the Python host overhead of the call is left out."""
+def captured(fn: Callable) -> torch.cuda.CUDAGraph:
+    """One call of ``fn`` in a CUDA graph, after two warm-up calls (compiles, autotuning)."""
     fn()
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def bench(fn: Callable, reps: dict) -> float:
+    """Median µs of GPU time: one call captured in a CUDA graph and replayed with the L2
+    flushed before each replay, so the Python host overhead of the call is left out."""
+    graph = captured(fn)
     us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median", **reps)
     del graph
     return us

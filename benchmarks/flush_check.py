@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from bench_decode import GEOMETRIES, Case, _pf_call, contiguous_sdpa
+from bench_decode import GEOMETRIES, Case, _pf_call, captured, contiguous_sdpa
 
 POINTS = ((8, 8192), (64, 8192), (8, 32768))
 
@@ -26,12 +26,7 @@ POINTS = ((8, 8192), (64, 8192), (8, 32768))
 def replay_us(fn: Callable, flush: Callable, n: int = 50) -> float:
     """Median µs from an event before to an event after one replay of ``fn``'s graph,
     with ``flush`` run before each replay."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     times = []
     for _ in range(n):
         flush()
