@@ -65,18 +65,24 @@ def copy_bandwidth(gb: float = 4.0) -> float:
 
 class Case:
     """One (geometry, B, L) problem on the GPU, all layouts the methods need; the cache's
-    blocks are in random order unless ``shuffle`` is False. The INT8 scales are token-major
+    blocks are in random order unless ``shuffle`` is False, or with ``window``, random only
+    within runs of that many blocks (the runs in random order): as far apart in the address
+    space as in order, as scattered within a run as random. The INT8 scales are token-major
     ([blocks, page, Hkv] storage, each token's heads adjacent) unless ``scales_by_head``:
     then a page's scales of one head are adjacent ([blocks, Hkv, page] storage, passed
     transposed)."""
 
     def __init__(self, geo: tuple[int, int, int], batch: int, length: int, page: int = PAGE,
-                 shuffle: bool = True, scales_by_head: bool = False):
+                 shuffle: bool = True, scales_by_head: bool = False, window: int = 0):
         hq, hkv, d = geo
         self.geo, self.batch, self.length = geo, batch, length
         self.scale = 1.0 / math.sqrt(d)
         blocks = batch * length // page
-        order = torch.randperm(blocks) if shuffle else torch.arange(blocks)
+        if window:
+            runs = torch.randperm(blocks // window)[:, None] * window
+            order = (runs + torch.rand(blocks // window, window).argsort(dim=1)).flatten()
+        else:
+            order = torch.randperm(blocks) if shuffle else torch.arange(blocks)
         self.table = order.view(batch, -1).to(device="cuda", dtype=torch.int32)
         self.k = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn_like(self.k)
@@ -465,11 +471,9 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None:
-    """Each cache format: the CUDA C++ decode for each built pipeline depth and several
-    split counts, against the Triton kernel (at its heuristic's splits) and contiguous bf16
-    SDPA, at B=8 and B=64."""
-    from pagedfuse.ops.cuda_native import STAGES
-
+    """Each cache format: the CUDA C++ decode with each count of KV heads per CTA its
+    variant takes and several split counts, against the Triton kernel (at its heuristic's
+    splits) and contiguous bf16 SDPA, at B=8 and B=64."""
     reps = dict(warmup=5, rep=20)
     device = torch.device("cuda")
 
@@ -480,19 +484,19 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
             native = NATIVE_KIND[kind]
             floor_us = case.bytes(kind) / bw * 1e6
             triton_us = bench(lambda k=kind: _pf_call(case, k, native=False), reps)
-            default = pf_cuda.native_config(native, d, device)
+            default = pf_cuda.native_config(native, d, hkv, batch, device)
             auto = pf_cuda.num_kv_splits(batch, hkv, d, length, pf_cuda._sm_count(device),
                                          default)
             line = []
-            for stages in STAGES:
-                config = pf_cuda.native_config(native, d, device, stages)
-                for n in ((4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
+            for heads in (h for h in (1, 2, 4) if default.num_warps % h == hkv % h == 0):
+                config = pf_cuda.native_config(native, d, hkv, batch, device, heads)
+                for n in ((2, 4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
                     us = bench(lambda n=n, c=config, k=kind: _pf_call(
                         case, k, config=c, splits=n, native=True), reps)
-                    line.append(f"{stages}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
+                    line.append(f"{heads}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
             print(f"{kind} {gname} B={batch} L={length}: Triton {triton_us:.1f} "
-                  f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by stages/splits "
-                  + ", ".join(line) + f"; default {default.num_stages}/{auto}; "
+                  f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by heads per CTA/splits "
+                  + ", ".join(line) + f"; default {default.heads}/{auto}; "
                   f"contiguous bf16 SDPA {contig_us:.1f}", flush=True)
 
     _each_case(((8, 8192), (8, 32768), (64, 8192), (64, 32768)), visit)
@@ -526,21 +530,22 @@ def print_default_paths(label: str, case: Case, bw: float, contig_us: float,
     print(f"{label}: {', '.join(cells)}; contiguous SDPA {contig_us:.1f}", flush=True)
 
 
-LAYOUTS = {"random page 16": (16, True, False), "in order page 16": (16, False, False),
-           "random page 128": (128, True, False),
-           "random page 16, scales by head": (16, True, True)}
+LAYOUTS = {"random page 16": {}, "in order page 16": dict(shuffle=False),
+           "random page 128": dict(page=128),
+           "random page 16, scales by head": dict(scales_by_head=True),
+           "random page 16 within 64-block runs": dict(window=64)}
 
 
 def sweep_locality(bw: float) -> None:
     """What the page table's randomness costs: each cache format's default kernel at B=64
-    with the blocks in random order (the table's case), in order, in random pages of 128
-    tokens, and in random pages with head-major INT8 scales, next to contiguous SDPA."""
+    with the blocks in random order (the table's case) and in the other LAYOUTS, next to
+    contiguous SDPA."""
     reps = dict(warmup=5, rep=20)
     for gname, geo in GEOMETRIES.items():
         for length in (8192, 32768):
             contig_us = None
-            for layout, (page, shuffle, by_head) in LAYOUTS.items():
-                case = Case(geo, 64, length, page=page, shuffle=shuffle, scales_by_head=by_head)
+            for layout, kwargs in LAYOUTS.items():
+                case = Case(geo, 64, length, **kwargs)
                 if contig_us is None:
                     contig_us = min(best_contiguous(case, reps).values())
                 print_default_paths(f"locality {gname} B=64 L={length} {layout}", case, bw,
@@ -616,7 +621,7 @@ def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
 
     native = NATIVE_KIND[kind]
     hq, hkv, d = case.geo
-    config = pf_cuda.native_config(native, d, case.q.device)
+    config = pf_cuda.native_config(native, d, hkv, case.batch, case.q.device)
     splits = pf_cuda.num_kv_splits(case.batch, hkv, d, case.length,
                                    pf_cuda._sm_count(case.q.device), config)
     k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
@@ -627,7 +632,7 @@ def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
     part_o, part_lse = parts[: splits * case.q.numel()], parts[splits * case.q.numel():]
     return lambda: cuda_native.decode_into(
         out, q, q_scale, k, v, ks, vs, *case.block_args, case.scale * LOG2E, splits,
-        config.num_stages, part_o, part_lse)
+        config.heads, part_o, part_lse)
 
 
 def sweep(bw: float, what: str) -> None:
@@ -704,7 +709,8 @@ def split_check(bw: float) -> str:
         case = Case(geo, 64, 8192)
         for kind in ("bf16", "int8_kv", "int8_k"):
             native = _default_native(kind, geo[2])
-            config = (pf_cuda.native_config(NATIVE_KIND[kind], geo[2], torch.device("cuda"))
+            config = (pf_cuda.native_config(NATIVE_KIND[kind], geo[2], geo[1], 64,
+                                            torch.device("cuda"))
                       if native else pf_cuda.launch_config(kind != "bf16"))
             auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
                                          pf_cuda._sm_count(torch.device("cuda")), config)

@@ -93,8 +93,8 @@ cases = [
 ]
 from pagedfuse.ops import cuda
 cases += [(dict(batch=3, hq=12, hkv=2, d=128, kv_int8=kv, seq_lens=[300, 45, 1]),
-           dict(native=True, max_query_len=1, splits=2,  # the 1-stage pipeline
-                config=cuda.native_config(kind, 128, torch.device("cuda"), 1)))
+           dict(native=True, max_query_len=1, splits=2,  # one KV head per CTA
+                config=cuda.native_config(kind, 128, 2, 3, torch.device("cuda"), 1)))
           for kind, kv in (("int8_kv", "kv"), ("int8_k", "k"), ("half", None))]
 for spec, kw in cases:
     case = make_case(**spec)

@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--kind", choices=("bf16", "int8_kv", "int8_k", "contiguous"),
                         default="int8_kv")
     parser.add_argument("--in-order", action="store_true", help="blocks in order, not shuffled")
-    parser.add_argument("--stages", type=int, help="the CUDA C++ decode's pipeline depth "
+    parser.add_argument("--heads", type=int, help="the CUDA C++ decode's KV heads per CTA "
                         "(default: the op's)")
     parser.add_argument("--splits", type=int, help="split-KV count (default: the op's)")
     parser.add_argument("--calls", type=int, default=3)
@@ -34,9 +34,10 @@ def main() -> None:
         q4 = case.q.view(case.batch, hkv, hq // hkv, d)
         call = lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig, case.scale)  # noqa: E731
     else:
-        native = None if args.stages is None else True
+        native = None if args.heads is None else True
         config = native and pf_cuda.native_config(
-            NATIVE_KIND[args.kind], case.geo[2], torch.device("cuda"), args.stages)
+            NATIVE_KIND[args.kind], case.geo[2], case.geo[1], case.batch, torch.device("cuda"),
+            args.heads)
         call = lambda: _pf_call(case, args.kind, config=config,  # noqa: E731
                                 splits=args.splits, native=native)
     for _ in range(args.calls):

@@ -202,7 +202,7 @@ def test_one_wave_split_count(programs, slots, pow2, chosen):
 def test_only_int8_k_leaves_powers_of_two_for_its_wave(kind, pow2):
     from pagedfuse.ops import cuda
 
-    assert cuda.native_config(kind, 128, torch.device("cuda")).pow2_wave is pow2
+    assert cuda.native_config(kind, 128, 8, 8, torch.device("cuda")).pow2_wave is pow2
 
 
 PREFILL_CASES = {
@@ -294,17 +294,31 @@ def test_native_decode_matches_reference(name, splits, kind):
     assert cosine(out, reference(case, unquantized=True)) > 0.995
 
 
-@pytest.mark.parametrize(("kind", "d", "stages"), [
-    (kind, d, s) for kind in cuda_native.KINDS for d in cuda_native.HEAD_DIMS
-    for s in cuda_native.STAGES])
-def test_native_decode_every_pipeline_depth(kind, d, stages):
-    """Every variant the Python table declares is built by the C++ launcher and right."""
+@pytest.mark.parametrize(("kind", "d"), [
+    (kind, d) for kind in cuda_native.KINDS for d in cuda_native.HEAD_DIMS])
+def test_native_decode_every_heads_per_cta(kind, d):
+    """Every variant the Python table declares is built by the C++ launcher, fits on an SM,
+    and is right with every count of KV heads per CTA its warps can take (8 KV heads, a
+    group of 3, sequences that end mid-tile)."""
     from pagedfuse.ops import cuda
 
-    case = make_case(batch=3, hq=12, hkv=2, d=d, kv_int8=KINDS[kind], seq_lens=[700, 45, 300])
-    config = cuda.native_config(kind, d, torch.device("cuda"), stages)
-    out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
-    assert rel_err(out, reference(case)) < _native_tol(case)
+    device = torch.device("cuda")
+    variant = cuda_native.decode_variant(device, kind, d)
+    assert variant.resident >= 1 and variant.warps % variant.heads == 0
+    case = make_case(batch=3, hq=24, hkv=8, d=d, kv_int8=KINDS[kind], seq_lens=[700, 45, 301])
+    for heads in (h for h in (1, 2, 4) if variant.warps % h == 0):
+        config = cuda.native_config(kind, d, 8, 3, device, heads=heads)
+        out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
+        assert rel_err(out, reference(case)) < _native_tol(case), heads
+
+
+def test_native_decode_rejects_heads_per_cta_that_do_not_divide():
+    from pagedfuse.ops import cuda
+
+    case = make_case(batch=2, hq=12, hkv=6, d=128, kv_int8="kv")
+    config = cuda.native_config("int8_kv", 128, 6, 2, torch.device("cuda"), heads=4)
+    with pytest.raises(RuntimeError, match="decode launch failed: invalid argument"):
+        run_kernel(case, max_query_len=1, native=True, config=config)
 
 
 def _rising_keys(case: dict, rate: float) -> None:

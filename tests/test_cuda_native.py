@@ -76,3 +76,20 @@ def test_query_rows_read_in_place_only_when_aligned():
     assert not cuda_native.aligned_rows(base[..., :128])  # heads not contiguous
     assert not cuda_native.aligned_rows(base.view(-1)[1:1 + 4 * 8 * 128].view(4, 8, 128))
     assert not cuda_native.aligned_rows(torch.zeros(4, 8, 128).transpose(0, 1))
+
+
+@pytest.mark.parametrize(("tuned", "num_kv_heads", "batch", "heads"), [
+    (4, 8, 64, 4),  # llama3_8b at B=64: 128 CTAs of 4 heads fill one wave of 132
+    (4, 8, 8, 1),  # B=8: 64 CTAs of 1 head fit, and take half the splits of 2 heads
+    (2, 4, 64, 2),  # qwen35
+    (2, 4, 8, 1),
+    (4, 6, 64, 2),  # 4 heads do not divide 6; no count fits one wave: the largest
+    (4, 8, 256, 4),
+    (4, 5, 8, 1),
+    (1, 8, 64, 1),  # a variant tuned for one head per CTA
+])
+def test_heads_per_cta_divide_the_kv_heads_and_fill_one_wave(tuned, num_kv_heads, batch,
+                                                              heads):
+    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=tuned)
+    assert cuda_native.heads_per_cta(variant, num_kv_heads, batch, sm_count=132) == heads
+    assert cuda_native.cta_tokens(variant, heads) == 8 // heads * 32

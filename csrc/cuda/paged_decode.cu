@@ -13,11 +13,11 @@
 // PRMT at all, and the 16-bit kinds share the INT8 kernel's tuned skeleton (block-table
 // reads, pipeline, lazy softmax, merge) instead of Triton's.
 //
-// Work split: one CTA of 4 warps per (KV head, sequence, split), heads fastest, so the CTAs
-// that run together read the neighbouring heads of the same token rows (on the H200 3-8%
-// faster for llama3_8b at B=64 than sequences fastest); each warp walks its own tiles of
-// kTile tokens (Traits) with its own online softmax, and the CTA merges the 4 warps at the
-// end.
+// Work split: one CTA of 4 or 8 warps per (group of `heads` KV heads, sequence, split),
+// heads fastest, so the CTAs that run together read the neighbouring heads of the same
+// token rows (on the H200 3-8% faster for llama3_8b at B=64 than sequences fastest); each
+// warp serves one of the CTA's heads and walks its own tiles of kTile tokens (Traits) with
+// its own online softmax, and the CTA merges each head's warps at the end.
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
 // stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. The
@@ -85,7 +85,6 @@
 
 namespace {
 
-constexpr int kWarps = 4;
 constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
 
@@ -95,12 +94,23 @@ enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
 // Bytes per K and V element, and the tokens of a warp's tile: 32 for INT8 V (its P·V MMA's
 // K), 16 for 16-bit V, 32 for 16-bit V at head_dim 64 (two MMA K steps; on the H200 4% faster
 // for bf16 and 10% for INT8 K at B=64 than 16; for INT8 V 64 measured no faster than 32) and
-// for INT8 K at head_dim 128. There the 32-token tile takes 254 registers, so 2 CTAs per SM
-// rather than 3: llama3_8b at B=64 then fills its waves with 1 split instead of 3, 2.5%
-// faster at L=8192 on the H200, 1% slower at L=32768 (benchmarks/RESULTS.md, call 46).
-// cuda_native.cta_tokens mirrors this.
+// for INT8 K at head_dim 128. There the 32-token tile takes 254 registers but halves the
+// tiles and their softmax steps: in 4-warp CTAs (2 per SM rather than 3) llama3_8b at B=64
+// then filled its waves with 1 split instead of 3, 2.5% faster at L=8192 on the H200, 1%
+// slower at L=32768 (benchmarks/RESULTS.md, call 46).
+//
+// Warps per CTA, and the most KV heads of one sequence the op has a CTA serve (its warps
+// split each head's tiles; 1, 2 and 4 heads are built, and cuda_native.heads_per_cta picks
+// the count per call). Serving several heads, a CTA's warps copy the same token rows at the
+// same time, and fewer CTAs fill a wave. On the H200 at B=64 (benchmarks/RESULTS.md, calls
+// 52-54), 4 heads of 2 warps took INT8 K+V and INT8 K at head_dim 128 1-2.5% under 1 head
+// of 4 warps, and 2 heads of 4 warps every kind at head_dim 256 0.3-2%; bf16 at head_dim
+// 128 and every kind at head_dim 64 were fastest with 1 head of 4 warps.
 template <int KIND, int D>
 struct Traits {
+  static constexpr bool kOneHead = D == 64 || (KIND == kHalf && D == 128);
+  static constexpr int warps = kOneHead ? 4 : 8;
+  static constexpr int heads = kOneHead ? 1 : D == 128 ? 4 : 2;
   static constexpr int kb = KIND == kHalf ? 2 : 1;
   static constexpr int vb = KIND == kInt8KV ? 1 : 2;
   static constexpr int tile = KIND == kInt8KV || D == 64 || (KIND == kInt8K && D == 128) ? 32
@@ -339,34 +349,40 @@ struct TileBuf {
   float vs[T::tile];
 };
 
-// Dynamic shared memory: the warps' pipelines (S stages each), reused for the merge of the
-// warps at the end.
-template <int D, int S, int KIND>
+// Tiles in flight per warp (the stages of its cp.async pipeline) while it computes one.
+// Loading each tile straight into registers as it starts, and 2 stages, measured slower on
+// the H200 for every format (benchmarks/NOTES-gpu.md, calls 30-36); 2 stages of 8 warps at
+// head_dim 256 would not fit in shared memory.
+constexpr int kStages = 1;
+
+// Dynamic shared memory: the warps' pipelines, reused for the merge of the warps at the end.
+template <int D, int KIND>
 __host__ __device__ constexpr size_t smem_bytes() {
-  const size_t pipeline = sizeof(TileBuf<D, KIND>) * S * kWarps;
-  const size_t merge = sizeof(float) * kWarps * kHeads * D;
+  constexpr int warps = Traits<KIND, D>::warps;
+  const size_t pipeline = sizeof(TileBuf<D, KIND>) * kStages * warps;
+  const size_t merge = sizeof(float) * warps * kHeads * D;
   return pipeline > merge ? pipeline : merge;
 }
 
 // CTAs per SM that ptxas must leave room for. 1 (rather than no bound) leaves it free with
-// registers (head_dim 128 INT8 K+V: about 200, so 2 CTAs per SM), which on the H200 measured
-// up to 4% faster for the INT8 kinds than builds held to 3 CTAs at head_dim 128 and 5 at
-// 8-bit head_dim 64, and as fast for 16-bit caches (benchmarks/NOTES-gpu.md, call 31). INT8
-// K+V at head_dim 64 is held to 4 (128 registers, no spill), where it measured fastest (call
-// 36); left free, ptxas takes 140-146 and 3 CTAs fit.
+// registers (head_dim 128 INT8 K+V: about 200, so 1 CTA of 8 warps per SM), which on the
+// H200 measured up to 4% faster for the INT8 kinds than 4-warp builds held to 3 CTAs at
+// head_dim 128 and 5 at 8-bit head_dim 64, and as fast for 16-bit caches
+// (benchmarks/NOTES-gpu.md, call 31). INT8 K+V at head_dim 64 is held to 4 (128 registers,
+// no spill), where it measured fastest (call 36); left free, ptxas takes 140-146 and 3 CTAs
+// fit.
 template <int D, int KIND>
 constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
 
-// S >= 1: the stages of a warp's cp.async pipeline (S tiles in flight while one is
-// computed; loading each tile straight into registers as it starts measured slower on the
-// H200 for every format). E: the output dtype, also the query's, and the 16-bit cache's.
-template <int D, int S, int KIND, typename E>
-__global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
+// H: KV heads per CTA. E: the output dtype, also the query's, and the 16-bit cache's.
+template <int D, int KIND, int H, typename E>
+__global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>)
     paged_decode_kernel(const Args a) {
+  constexpr int S = kStages;
   static_assert(S >= 1, "a cp.async pipeline of at least one stage");
   using T = Traits<KIND, D>;
   constexpr bool kK8 = KIND != kHalf, kV8 = KIND == kInt8KV;
-  constexpr int kTile = T::tile, kCtaTokens = kWarps * kTile;  // split chunks: multiples
+  constexpr int kWarps = T::warps, kTile = T::tile;
   constexpr int KR = D * T::kb / 4;  // K bytes per row per thread (its chunks t + 4i)
   constexpr int KW = KR / 4;         // ... in words
   constexpr int KC = KR / 16;        // K chunks per row per thread
@@ -388,10 +404,15 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int kvh = static_cast<int>(blockIdx.x % a.num_kv_heads);
-  const unsigned rest = blockIdx.x / a.num_kv_heads;
+  // KV heads kvh0 .. kvh0 + H - 1, head_warps warps each on their tiles of the split
+  static_assert(kWarps % H == 0, "every KV head of a CTA has as many warps");
+  constexpr int head_warps = kWarps / H, cta_tokens = head_warps * kTile;  // split chunks:
+  const int head_groups = a.num_kv_heads / H;                             // multiples
+  const int kvh0 = static_cast<int>(blockIdx.x % head_groups) * H;
+  const int kvh = kvh0 + warp / head_warps, head_warp = warp % head_warps;
+  const unsigned rest = blockIdx.x / head_groups;
   const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
-  const int splits = static_cast<int>(gridDim.x / (a.num_kv_heads * a.batch));
+  const int splits = static_cast<int>(gridDim.x / (head_groups * a.batch));
   const int group = a.group;
   Buf* bufs = reinterpret_cast<Buf*>(smem) + warp * S;
   const int8_t* k_head = a.k + kvh * a.k_sh;
@@ -407,13 +428,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
                               a.num_tokens);
   if (q_end == q_start) return;  // no query token for this sequence
   const int64_t token = q_start;
-  const int64_t chunk = ((seq_len + splits - 1) / splits + kCtaTokens - 1) / kCtaTokens *
-                        kCtaTokens;
+  const int64_t chunk = ((seq_len + splits - 1) / splits + cta_tokens - 1) / cta_tokens *
+                        cta_tokens;
   const int64_t kv_lo = split * chunk;
   const int64_t kv_hi = kv_lo + chunk < seq_len ? kv_lo + chunk : seq_len;
-  const int64_t first = kv_lo + warp * kTile;  // this warp's tiles: first + i * kCtaTokens
+  const int64_t first = kv_lo + head_warp * kTile;  // this warp's tiles: first + i * cta_tokens
   const int num_tiles =
-      first < kv_hi ? static_cast<int>((kv_hi - first + kCtaTokens - 1) / kCtaTokens) : 0;
+      first < kv_hi ? static_cast<int>((kv_hi - first + cta_tokens - 1) / cta_tokens) : 0;
 
   const bool table64 = a.index64 & 1;
   const int64_t table_row = static_cast<int64_t>(b) * a.bt_sb;
@@ -431,7 +452,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
             blk * a.ks_sb + slot * a.ks_st, blk * a.vs_sb + slot * a.vs_st};
   };
   auto locate_lane = [&](int i) {  // lane L: token L of tile i (L mod kTile)
-    return locate(first + static_cast<int64_t>(i) * kCtaTokens + lane % kTile);
+    return locate(first + static_cast<int64_t>(i) * cta_tokens + lane % kTile);
   };
   // Copies tile i into its stage: lane L fetches row L's scales, then the K and V rows.
   auto issue = [&](int i, TokenAt at) {
@@ -504,7 +525,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
 
   unsigned char* p_row = s_p[warp];
   for (int i = 0; i < num_tiles; ++i) {
-    const int64_t tile = first + static_cast<int64_t>(i) * kCtaTokens;
+    const int64_t tile = first + static_cast<int64_t>(i) * cta_tokens;
     cp_async_wait<S - 1>();  // tile i has landed (this lane's copies) ...
     __syncwarp();            // ... and every lane's
     const Buf& buf = bufs[i % S];
@@ -695,21 +716,22 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
   }
   __syncthreads();
   const bool direct = splits == 1;
-  for (int idx = threadIdx.x; idx < group * D; idx += kWarps * 32) {
-    const int h = idx / D, d = idx % D;
+  for (int idx = threadIdx.x; idx < H * group * D; idx += kWarps * 32) {
+    const int slot = idx / (group * D), h = idx / D % group, d = idx % D;
+    const int w0 = slot * head_warps;  // the warps of KV head kvh0 + slot
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][h]);
+    for (int w = w0; w < w0 + head_warps; ++w) mx = fmaxf(mx, s_m[w][h]);
     const float m_use = mx == -INFINITY ? 0.f : mx;
     float lsum = 0.f, acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = w0; w < w0 + head_warps; ++w) {
       const float e = exp2f(s_m[w][h] - m_use);
       lsum += e * s_l[w][h];
       acc += e * s_o[w][h][d];
     }
     const float val = acc / (lsum > 0.f ? lsum : 1.f);
-    const int64_t row = token * a.num_q_heads + head0 + h;
+    const int64_t row = token * a.num_q_heads + (kvh0 + slot) * group + h;
     if (direct) {
       static_cast<E*>(a.out)[row * D + d] = to_out<E>(val);
     } else {
@@ -720,55 +742,75 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtas<D, KIND>)
   }
 }
 
-// One variant: launch it (grid.x > 0; with pdl, as a programmatic dependent launch), or with
-// grid.x == 0 write how many of its CTAs fit on one multiprocessor to *resident.
-template <int D, int S, int KIND, typename E>
-cudaError_t run_variant(const Args& a, dim3 grid, bool pdl, cudaStream_t stream,
-                        int* resident) {
-  constexpr int bytes = static_cast<int>(smem_bytes<D, S, KIND>());
-  const auto kernel = paged_decode_kernel<D, S, KIND, E>;
+// How one call launches: the grid's splits and KV heads per CTA, as a programmatic
+// dependent launch or not, on which stream.
+struct Launch {
+  int splits, heads;
+  bool pdl;
+  cudaStream_t stream;
+};
+
+// One variant: launch it on a grid of (groups of H KV heads, sequences, splits).
+template <int D, int KIND, int H, typename E>
+cudaError_t launch(const Args& a, const Launch& l) {
+  using T = Traits<KIND, D>;
+  constexpr int bytes = static_cast<int>(smem_bytes<D, KIND>());
+  const auto kernel = paged_decode_kernel<D, KIND, H, E>;
   const cudaError_t opt_in = cudaFuncSetAttribute(  // beyond the 48 KB default, per device
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (opt_in != cudaSuccess) return opt_in;
-  if (grid.x == 0) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, kWarps * 32, bytes);
-  }
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = bytes, config.stream = stream;
-  config.attrs = &attr, config.numAttrs = pdl ? 1 : 0;
+  config.gridDim = dim3(static_cast<unsigned>(a.num_kv_heads / H * a.batch * l.splits));
+  config.blockDim = dim3(T::warps * 32);
+  config.dynamicSmemBytes = bytes, config.stream = l.stream;
+  config.attrs = &attr, config.numAttrs = l.pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
-// The built (head_dim, stages) variants of one kind; cuda_native.HEAD_DIMS and STAGES list
-// the same, and the Python side picks the stages.
+// The (D, KIND) variants: launch the one of l.heads KV heads per CTA (1, 2 or 4), or with
+// info set (no launch) write the tuned one's CTAs per multiprocessor (registers and shared
+// memory), warps per CTA, tokens per warp tile and KV heads per CTA to info[0..3].
+template <int D, int KIND, typename E>
+cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
+  using T = Traits<KIND, D>;
+  if (info != nullptr) {
+    constexpr int bytes = static_cast<int>(smem_bytes<D, KIND>());
+    const auto kernel = paged_decode_kernel<D, KIND, T::heads, E>;
+    const cudaError_t opt_in = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (opt_in != cudaSuccess) return opt_in;
+    info[1] = T::warps, info[2] = T::tile, info[3] = T::heads;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(info, kernel, T::warps * 32, bytes);
+  }
+  if (l.heads < 1 || a.num_kv_heads % l.heads != 0) return cudaErrorInvalidValue;
+  switch (l.heads) {
+    case 1: return launch<D, KIND, 1, E>(a, l);
+    case 2: return launch<D, KIND, 2, E>(a, l);
+    case 4: return launch<D, KIND, 4, E>(a, l);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The built head_dim variants of one kind (cuda_native.HEAD_DIMS lists the same).
 template <int KIND, typename E>
-cudaError_t dispatch_dims(const Args& a, int head_dim, int stages, dim3 grid, bool pdl,
-                          cudaStream_t stream, int* resident) {
-  switch (head_dim * 16 + stages) {
-    case 64 * 16 + 1: return run_variant<64, 1, KIND, E>(a, grid, pdl, stream, resident);
-    case 64 * 16 + 2: return run_variant<64, 2, KIND, E>(a, grid, pdl, stream, resident);
-    case 128 * 16 + 1: return run_variant<128, 1, KIND, E>(a, grid, pdl, stream, resident);
-    case 128 * 16 + 2: return run_variant<128, 2, KIND, E>(a, grid, pdl, stream, resident);
-    case 256 * 16 + 1: return run_variant<256, 1, KIND, E>(a, grid, pdl, stream, resident);
-    case 256 * 16 + 2: return run_variant<256, 2, KIND, E>(a, grid, pdl, stream, resident);
+cudaError_t dispatch_dims(const Args& a, int head_dim, const Launch& l, int* info) {
+  switch (head_dim) {
+    case 64: return run_variant<64, KIND, E>(a, l, info);
+    case 128: return run_variant<128, KIND, E>(a, l, info);
+    case 256: return run_variant<256, KIND, E>(a, l, info);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename E>
-cudaError_t dispatch(const Args& a, int kind, int head_dim, int stages, dim3 grid, bool pdl,
-                     cudaStream_t stream, int* resident) {
+cudaError_t dispatch(const Args& a, int kind, int head_dim, const Launch& l, int* info) {
   switch (kind) {
-    case kInt8KV:
-      return dispatch_dims<kInt8KV, E>(a, head_dim, stages, grid, pdl, stream, resident);
-    case kInt8K:
-      return dispatch_dims<kInt8K, E>(a, head_dim, stages, grid, pdl, stream, resident);
-    case kHalf:
-      return dispatch_dims<kHalf, E>(a, head_dim, stages, grid, pdl, stream, resident);
+    case kInt8KV: return dispatch_dims<kInt8KV, E>(a, head_dim, l, info);
+    case kInt8K: return dispatch_dims<kInt8K, E>(a, head_dim, l, info);
+    case kHalf: return dispatch_dims<kHalf, E>(a, head_dim, l, info);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -805,10 +847,11 @@ extern "C" {
 // num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a
 // power of two); strides: the query's token stride (elements), then (block, token, head)
 // of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
-// column). The caller guarantees what cuda_native.decode_unsupported checks (alignment,
-// 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
+// column). heads: KV heads per CTA, 1, 2 or 4, dividing num_kv_heads (the op's choice:
+// cuda_native.heads_per_cta). The caller guarantees what cuda_native.decode_unsupported
+// checks (alignment, 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
 int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64, int pdl,
-                     int head_dim, int stages, int64_t batch, int64_t num_kv_heads,
+                     int head_dim, int heads, int64_t batch, int64_t num_kv_heads,
                      int64_t splits, const void* q, const float* q_scale, const void* k,
                      const void* v, const float* k_scale, const float* v_scale,
                      const void* block_table, const void* seq_lens, const void* query_start,
@@ -835,20 +878,18 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.ks_sb = u32(strides[7]), a.ks_st = u32(strides[8]), a.ks_sh = strides[9];
   a.vs_sb = u32(strides[10]), a.vs_st = u32(strides[11]), a.vs_sh = strides[12];
   a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
-  const dim3 grid(static_cast<unsigned>(num_kv_heads * batch * splits));  // heads fastest
-  const auto s = static_cast<cudaStream_t>(stream);
-  return out_dtype == 0
-             ? dispatch<__nv_bfloat16>(a, kind, head_dim, stages, grid, pdl > 0, s, nullptr)
-             : dispatch<__half>(a, kind, head_dim, stages, grid, pdl > 0, s, nullptr);
+  const Launch l{static_cast<int>(splits), heads, pdl > 0,
+                 static_cast<cudaStream_t>(stream)};
+  return out_dtype == 0 ? dispatch<__nv_bfloat16>(a, kind, head_dim, l, nullptr)
+                        : dispatch<__half>(a, kind, head_dim, l, nullptr);
 }
 
-// CTAs of the (kind, head_dim, stages) variant that fit on one multiprocessor (registers and
-// shared memory), into *resident; returns a cudaError_t code.
-int pagedfuse_decode_occupancy(int device, int kind, int head_dim, int stages, int* resident) {
+// The (kind, head_dim) variant on `device`: CTAs per multiprocessor, warps per CTA, tokens
+// per warp tile and default KV heads per CTA, into info[0..3]; returns a cudaError_t code.
+int pagedfuse_decode_variant(int device, int kind, int head_dim, int* info) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
-  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, stages, dim3(0, 1, 1), false,
-                                 nullptr, resident);
+  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, Launch{}, info);
 }
 
 // 0 when this build has machine code or PTX the device can run, else a cudaError_t code.
@@ -856,7 +897,7 @@ int pagedfuse_decode_probe(int device) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, 1, kInt8KV, __nv_bfloat16>);
+  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, kInt8KV, 4, __nv_bfloat16>);
 }
 
 const char* pagedfuse_cuda_error_string(int code) {

@@ -34,9 +34,9 @@ PDL = os.environ.get("PAGEDFUSE_PDL", "1") != "0"
 class LaunchConfig(NamedTuple):
     """Tile and pipelining choices for one kernel specialisation; ``fill_splits``: the
     splits a long context takes when one split under-fills the GPU (1: no such rule);
-    ``resident``: programs that fit on one SM, where known (then the split count fills one
-    wave, see num_kv_splits); ``pow2_wave``: that count is a power of two (else see
-    wave_splits)."""
+    ``resident``: (sequence, KV head) programs that fit on one SM, where known (then the
+    split count fills one wave, see num_kv_splits); ``pow2_wave``: that count is a power of
+    two (else see wave_splits); ``heads``: KV heads per CTA (the CUDA C++ decode)."""
 
     block_n: int
     num_warps: int
@@ -44,6 +44,7 @@ class LaunchConfig(NamedTuple):
     fill_splits: int = 1
     resident: int = 0
     pow2_wave: bool = True
+    heads: int = 1
 
 
 def launch_config(int8_k: bool) -> LaunchConfig:
@@ -53,27 +54,22 @@ def launch_config(int8_k: bool) -> LaunchConfig:
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 
 
-# The CUDA C++ decode's default pipeline depth, for every cache format and head_dim: one
-# tile in flight per warp. On the H200 it is the fastest depth with the wave split rule or
-# within 3% of it everywhere; since its reads take a 128-byte L2 prefetch, that includes
-# 8-bit head_dim 64, where INT8 K+V at B=64 L=32768 went from 331 µs (no pipeline) to 290
-# (benchmarks/RESULTS.md, call 36).
-NATIVE_STAGES = 1
-
-
-def native_config(kind: str, head_dim: int, device: torch.device,
-                  stages: int | None = None) -> LaunchConfig:
-    """The CUDA C++ decode: block_n is the keys a CTA steps over at a time (the split
-    heuristic's tile); num_stages is its pipeline depth, by default NATIVE_STAGES;
-    resident is the CUDA occupancy of that variant. INT8 K with a 16-bit V fills its one
-    wave closer than a power of two of splits does (wave_splits): on the H200 at B=8, 6
-    splits (3 CTAs per SM, 8 KV heads) were 1.7-2.9% faster than 4 and 12 (tinyllama) as
-    fast as 8, where the same 6 splits cost bf16 10-13% (benchmarks/RESULTS.md, calls 36
-    and 43)."""
-    stages = NATIVE_STAGES if stages is None else stages
-    return LaunchConfig(cuda_native.cta_tokens(kind, head_dim), cuda_native.WARPS, stages,
-                        resident=cuda_native.decode_resident(device, kind, head_dim, stages),
-                        pow2_wave=kind != "int8_k")
+def native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
+                  device: torch.device, heads: int | None = None) -> LaunchConfig:
+    """The CUDA C++ decode: ``heads`` KV heads per CTA (by default
+    cuda_native.heads_per_cta); block_n is the keys a CTA steps over per head at a time
+    (the split heuristic's tile); it has one tile in flight per warp (num_stages 1); resident
+    is the variant's CUDA occupancy in (sequence, KV head) programs. INT8 K with a 16-bit V
+    fills its one wave closer than a power of two of splits does (wave_splits): on the H200
+    at B=8, 6 splits (3 CTAs per SM, 8 KV heads) were 1.7-2.9% faster than 4 and 12
+    (tinyllama) as fast as 8, where the same 6 splits cost bf16 10-13%
+    (benchmarks/RESULTS.md, calls 36 and 43)."""
+    variant = cuda_native.decode_variant(device, kind, head_dim)
+    if heads is None:
+        heads = cuda_native.heads_per_cta(variant, num_kv_heads, batch, _sm_count(device))
+    return LaunchConfig(cuda_native.cta_tokens(variant, heads), variant.warps, 1,
+                        resident=variant.resident * heads, pow2_wave=kind != "int8_k",
+                        heads=heads)
 
 
 def native_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -212,7 +208,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
             raise ValueError(f"the CUDA C++ decode cannot run this call: {reason}")
         native = reason is None
     context = max_seq_len if max_seq_len is not None else max_blocks * page
-    default = (native_config(kind, head_dim, query.device) if native
+    default = (native_config(kind, head_dim, num_kv_heads, batch, query.device) if native
                else launch_config(int8_k))
     plan = launch_plan(num_tokens, num_q_heads, num_kv_heads, head_dim, batch, context,
                        max_query_len, _sm_count(query.device), config or default)
@@ -233,7 +229,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         cuda_native.decode_into(out, q, q_scale if int8_k else None, key_cache, value_cache,
                                 key_scale, value_scale, block_table, seq_lens,
                                 query_start_loc, scale * LOG2E, splits,
-                                plan.config.num_stages, part_o, part_lse,
+                                plan.config.heads, part_o, part_lse,
                                 pdl=(cuda_native.PDL_OFF if not pdl else
                                      cuda_native.PDL_AFTER_QUANTIZE if int8_k else
                                      cuda_native.PDL_WAIT_FIRST))

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import importlib.util
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -19,12 +20,9 @@ LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
 KINDS = ("int8_kv", "int8_k", "half")
-# The launcher's switch builds every kind at each of these head dims and cp.async pipeline
-# depths (tiles in flight per warp).
+# The launcher's switch builds every kind at each of these head dims.
 HEAD_DIMS = (64, 128, 256)
-STAGES = (1, 2)
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
-WARPS = 4  # per CTA, each on its own tiles
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 # How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
@@ -37,7 +35,7 @@ _I64 = ctypes.c_int64
 _DECODE_ARGTYPES = [
     # device, stream, kind, out_dtype, index64, pdl
     ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-    ctypes.c_int, ctypes.c_int,  # head_dim, stages
+    ctypes.c_int, ctypes.c_int,  # head_dim, KV heads per CTA
     _I64, _I64, _I64,  # batch, KV heads, splits
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
     ctypes.c_float, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
@@ -58,8 +56,7 @@ def library() -> ctypes.CDLL | None:
     lib.pagedfuse_decode.argtypes = _DECODE_ARGTYPES
     lib.pagedfuse_decode.restype = ctypes.c_int
     lib.pagedfuse_decode_probe.argtypes = [ctypes.c_int]
-    lib.pagedfuse_decode_occupancy.argtypes = [ctypes.c_int] * 4 + [
-        ctypes.POINTER(ctypes.c_int)]
+    lib.pagedfuse_decode_variant.argtypes = [ctypes.c_int] * 3 + [ctypes.POINTER(ctypes.c_int)]
     lib.pagedfuse_cuda_error_string.argtypes = [ctypes.c_int]
     lib.pagedfuse_cuda_error_string.restype = ctypes.c_char_p
     return lib
@@ -72,13 +69,6 @@ def kind_of(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
     return "int8_kv" if value_cache.dtype == torch.int8 else "int8_k"
 
 
-def cta_tokens(kind: str, head_dim: int) -> int:
-    """Keys a CTA steps over at a time (its 4 warps' tiles; the kernel's Traits): split
-    chunks are multiples of it."""
-    wide = kind == "int8_kv" or head_dim == 64 or (kind == "int8_k" and head_dim == 128)
-    return WARPS * (32 if wide else 16)
-
-
 @functools.cache
 def decode_available(device: torch.device) -> bool:
     """Whether the library is built with code this device runs (sm_80 or newer)."""
@@ -88,17 +78,45 @@ def decode_available(device: torch.device) -> bool:
     return lib.pagedfuse_decode_probe(_index(device)) == 0
 
 
+class Variant(NamedTuple):
+    """A built (kind, head_dim) decode kernel on one device: its CTAs per multiprocessor
+    (registers and shared memory), warps per CTA, tokens per warp tile, and the most KV
+    heads per CTA the op gives it (the kernel's Traits; 1, 2 and 4 are built)."""
+
+    resident: int
+    warps: int
+    tile: int
+    heads: int
+
+
 @functools.cache
-def decode_resident(device: torch.device, kind: str, head_dim: int, stages: int) -> int:
-    """CTAs of that kernel variant that fit on one multiprocessor at once."""
+def decode_variant(device: torch.device, kind: str, head_dim: int) -> Variant:
+    """What the library says about that kernel variant on ``device``."""
     lib = library()
-    resident = ctypes.c_int(0)
-    err = lib.pagedfuse_decode_occupancy(_index(device), KINDS.index(kind), head_dim, stages,
-                                         ctypes.byref(resident))
+    info = (ctypes.c_int * 4)()
+    err = lib.pagedfuse_decode_variant(_index(device), KINDS.index(kind), head_dim, info)
     if err:
-        raise RuntimeError(f"pagedfuse decode occupancy query failed: "
+        raise RuntimeError(f"pagedfuse decode variant query failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")
-    return resident.value
+    return Variant(*info)
+
+
+def heads_per_cta(variant: Variant, num_kv_heads: int, batch: int, sm_count: int) -> int:
+    """KV heads one CTA serves: a power of two up to the variant's tuned count that divides
+    ``num_kv_heads`` (every CTA has whole heads, each with the same number of warps); the
+    smallest whose CTAs of one split fit in one wave, else the largest. At the same CTA
+    count fewer heads per CTA take fewer splits: on the H200 at B=8, qwen35 with 1 head and
+    4 splits was 1-6% faster than with 2 heads and 8, while at B=64 llama3_8b's INT8 caches
+    with 4 heads per CTA fit one wave and beat 1 and 2 heads by 1.5-6% (call 53)."""
+    fits = [h for h in (1, 2, 4) if h <= variant.heads and num_kv_heads % h == 0]
+    slots = variant.resident * sm_count
+    return next((h for h in fits if batch * num_kv_heads // h <= slots), fits[-1])
+
+
+def cta_tokens(variant: Variant, heads: int) -> int:
+    """Keys a CTA steps over per head at a time (each head's warps' tiles): split chunks
+    are multiples of it."""
+    return variant.warps // heads * variant.tile
 
 
 def _token_span(t: torch.Tensor) -> int:
@@ -149,12 +167,13 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
                 key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
                 block_table: torch.Tensor, seq_lens: torch.Tensor,
-                query_start_loc: torch.Tensor, scale_log2: float, splits: int, stages: int,
+                query_start_loc: torch.Tensor, scale_log2: float, splits: int, heads: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF) -> None:
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
     else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
-    writes ``part_o``/``part_lse`` for the combine kernel. ``stages``: one of
-    STAGES. ``pdl``: one of PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only)."""
+    writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, a
+    divisor of the KV heads and of the variant's warps (heads_per_cta). ``pdl``: one of
+    PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
@@ -178,7 +197,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
         0 if out.dtype == torch.bfloat16 else 1,
         sum(1 << i for i, t in enumerate((block_table, seq_lens, query_start_loc))
             if t.dtype == torch.int64),
-        pdl, head_dim, stages,
+        pdl, head_dim, heads,
         batch, num_kv_heads, splits,
         *((t if t is not None else out).data_ptr() for t in tensors),
         scale_log2, sizes, strides)
