@@ -85,6 +85,19 @@
 
 namespace {
 
+// A timeline of the decode's CTAs, in a profiling build only (-DPF_CTA_CLOCK; read by
+// benchmarks/cta_clock.py): per CTA, %globaltimer (ns) at its start, once its warp 0 has
+// done its tiles, and at its end, then its SM.
+#ifdef PF_CTA_CLOCK
+constexpr int kClockCtas = 1 << 16;  // CTAs stamped, the first of the grid
+__device__ unsigned long long g_cta_clock[4 * kClockCtas];
+__device__ __forceinline__ unsigned long long clock_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
 
@@ -402,6 +415,9 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
   // at head_dim 64). A thread writes one word per head (two at head_dim 64, 16-bit V).
   __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
 
+#ifdef PF_CTA_CLOCK
+  const unsigned long long clock_start = clock_ns();
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   // KV heads kvh0 .. kvh0 + H - 1, head_warps warps each on their tiles of the split
@@ -698,6 +714,9 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
   }
 
   grid_release();  // a split combine after this grid may start; it waits for these writes
+#ifdef PF_CTA_CLOCK
+  const unsigned long long clock_tiles = clock_ns();
+#endif
 
   // Merge the warps: each publishes its (m, l, O) per head; the CTA combines them. O goes
   // where the pipelines were, so every warp must be done with its tiles first.
@@ -740,6 +759,15 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
       if (d == 0) a.part_lse[split * rows + row] = lsum > 0.f ? m_use + log2f(lsum) : -INFINITY;
     }
   }
+#ifdef PF_CTA_CLOCK
+  __syncthreads();
+  if (threadIdx.x == 0 && blockIdx.x < kClockCtas) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned long long* stamp = g_cta_clock + 4 * blockIdx.x;
+    stamp[0] = clock_start, stamp[1] = clock_tiles, stamp[2] = clock_ns(), stamp[3] = sm;
+  }
+#endif
 }
 
 // How one call launches: the grid's splits and KV heads per CTA, as a programmatic
@@ -899,6 +927,15 @@ int pagedfuse_decode_probe(int device) {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, kInt8KV, 4, __nv_bfloat16>);
 }
+
+#ifdef PF_CTA_CLOCK
+// The profiling build's stamps of the last decode's first n CTAs (4 per CTA) into out, from
+// the current device; returns a cudaError_t code.
+int pagedfuse_cta_clock(unsigned long long* out, int n) {
+  return cudaMemcpyFromSymbol(out, g_cta_clock, sizeof(unsigned long long) * 4 *
+                                                    (n < kClockCtas ? n : kClockCtas));
+}
+#endif
 
 const char* pagedfuse_cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
