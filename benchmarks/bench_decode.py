@@ -187,6 +187,18 @@ def captured(fn: Callable) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float:
+    """µs from an event before to an event after one replay of ``graph``, ``flush`` run
+    first (the scripts that time replays by hand rather than through do_bench)."""
+    flush()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def bench(fn: Callable, reps: dict) -> float:
     """Median µs of GPU time: one call captured in a CUDA graph and replayed with the L2
     flushed before each replay, so the Python host overhead of the call is left out."""
@@ -614,16 +626,21 @@ def fixed_and_rate(short_us: float, short_bytes: int, long_us: float,
     return short_us - short_bytes / rate * 1e6, rate
 
 
+def default_launch(case: Case, kind: str) -> tuple[pf_cuda.LaunchConfig, int]:
+    """The CUDA C++ decode's (config, splits) for a default call of ``kind`` on ``case``."""
+    _, hkv, d = case.geo
+    config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, case.batch, case.q.device)
+    return config, pf_cuda.num_kv_splits(case.batch, hkv, d, case.length,
+                                         pf_cuda._sm_count(case.q.device), config)
+
+
 def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
     """The CUDA C++ decode kernel of a default call, launched plainly, without the query's
     quantization (done here, once) or the split combine."""
     from pagedfuse.ops import cuda_native
 
-    native = NATIVE_KIND[kind]
-    hq, hkv, d = case.geo
-    config = pf_cuda.native_config(native, d, hkv, case.batch, case.q.device)
-    splits = pf_cuda.num_kv_splits(case.batch, hkv, d, case.length,
-                                   pf_cuda._sm_count(case.q.device), config)
+    d = case.geo[2]
+    config, splits = default_launch(case, kind)
     k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
     v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
     q, q_scale = OPS.quantize_int8(case.q) if ks is not None else (case.q, None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, captured, pf_cuda
+from bench_decode import GEOMETRIES, Case, _pf_call, captured, default_launch, pf_cuda, replay_us
 
 from pagedfuse.ops import cuda_native
 
@@ -42,21 +42,11 @@ def stamps(lib: ctypes.CDLL, ctas: int) -> torch.Tensor:
 
 def timeline(case: Case, kind: str, lib: ctypes.CDLL, flush: torch.Tensor) -> str:
     """One line: the default call of ``kind`` on ``case``, timed and stamped."""
-    (_, hkv, d), batch, device = case.geo, case.batch, case.q.device
-    config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, batch, device)
-    sms = pf_cuda._sm_count(device)
-    splits = pf_cuda.num_kv_splits(batch, hkv, d, case.length, sms, config)
-    ctas = hkv // config.heads * batch * splits
+    config, splits = default_launch(case, kind)
+    ctas = case.geo[1] // config.heads * case.batch * splits
+    sms = pf_cuda._sm_count(case.q.device)
     graph = captured(lambda: _pf_call(case, kind))
-    runs = []
-    for _ in range(REPLAYS):
-        flush.zero_()
-        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        finish.record()
-        torch.cuda.synchronize()
-        runs.append((begin.elapsed_time(finish) * 1e3, stamps(lib, ctas)))
+    runs = [(replay_us(graph, flush.zero_), stamps(lib, ctas)) for _ in range(REPLAYS)]
     event_us, t = sorted(runs, key=lambda run: run[0])[REPLAYS // 2]
     start, tiles, end, sm = t.unbind(1)
     span = end.max().item()

@@ -18,25 +18,15 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from bench_decode import GEOMETRIES, Case, _pf_call, captured, contiguous_sdpa
+from bench_decode import GEOMETRIES, Case, _pf_call, captured, contiguous_sdpa, replay_us
 
 POINTS = ((8, 8192), (64, 8192), (8, 32768))
 
 
-def replay_us(fn: Callable, flush: Callable, n: int = 50) -> float:
-    """Median µs from an event before to an event after one replay of ``fn``'s graph,
-    with ``flush`` run before each replay."""
+def median_replay_us(fn: Callable, flush: Callable, n: int = 50) -> float:
+    """Median µs of ``n`` replays of ``fn``'s graph, ``flush`` run before each."""
     graph = captured(fn)
-    times = []
-    for _ in range(n):
-        flush()
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(replay_us(graph, flush) for _ in range(n))
 
 
 def check_point(batch: int, length: int, flushes: dict[str, Callable]) -> None:
@@ -49,7 +39,7 @@ def check_point(batch: int, length: int, flushes: dict[str, Callable]) -> None:
         **{kind: (lambda k=kind: _pf_call(case, k)) for kind in ("bf16", "int8_kv", "int8_k")},
     }
     for name, fn in methods.items():
-        cells = ", ".join(f"{label} {replay_us(fn, flush):.1f}"
+        cells = ", ".join(f"{label} {median_replay_us(fn, flush):.1f}"
                           for label, flush in flushes.items())
         print(f"llama3_8b B={batch} L={length} {name}: {cells}", flush=True)
 
