@@ -500,7 +500,7 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
             auto = pf_cuda.num_kv_splits(batch, hkv, d, length, pf_cuda._sm_count(device),
                                          default)
             line = []
-            for heads in (h for h in (1, 2, 4) if default.num_warps % h == hkv % h == 0):
+            for heads in (h for h in pf_cuda.cuda_native.HEADS_PER_CTA if hkv % h == 0):
                 config = pf_cuda.native_config(native, d, hkv, batch, device, heads)
                 for n in ((2, 4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
                     us = bench(lambda n=n, c=config, k=kind: _pf_call(

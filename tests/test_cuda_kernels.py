@@ -298,7 +298,7 @@ def test_native_decode_matches_reference(name, splits, kind):
     (kind, d) for kind in cuda_native.KINDS for d in cuda_native.HEAD_DIMS])
 def test_native_decode_every_heads_per_cta(kind, d):
     """Every variant the Python table declares is built by the C++ launcher, fits on an SM,
-    and is right with every count of KV heads per CTA its warps can take (8 KV heads, a
+    and is right with every count of KV heads per CTA the launcher builds (8 KV heads, a
     group of 3, sequences that end mid-tile)."""
     from pagedfuse.ops import cuda
 
@@ -306,7 +306,7 @@ def test_native_decode_every_heads_per_cta(kind, d):
     variant = cuda_native.decode_variant(device, kind, d)
     assert variant.resident >= 1 and variant.warps % variant.heads == 0
     case = make_case(batch=3, hq=24, hkv=8, d=d, kv_int8=KINDS[kind], seq_lens=[700, 45, 301])
-    for heads in (h for h in (1, 2, 4) if variant.warps % h == 0):
+    for heads in cuda_native.HEADS_PER_CTA:
         config = cuda.native_config(kind, d, 8, 3, device, heads=heads)
         out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
         assert rel_err(out, reference(case)) < _native_tol(case), heads
@@ -317,7 +317,8 @@ def test_native_decode_rejects_heads_per_cta_that_do_not_divide():
 
     case = make_case(batch=2, hq=12, hkv=6, d=128, kv_int8="kv")
     config = cuda.native_config("int8_kv", 128, 6, 2, torch.device("cuda"), heads=4)
-    with pytest.raises(RuntimeError, match="decode launch failed: invalid argument"):
+    with pytest.raises(ValueError, match="heads=4: KV heads per CTA must be one of .* and "
+                       "divide the 6 KV heads"):
         run_kernel(case, max_query_len=1, native=True, config=config)
 
 

@@ -93,3 +93,12 @@ def test_heads_per_cta_divide_the_kv_heads_and_fill_one_wave(tuned, num_kv_heads
     variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=tuned)
     assert cuda_native.heads_per_cta(variant, num_kv_heads, batch, sm_count=132) == heads
     assert cuda_native.cta_tokens(variant, heads) == 8 // heads * 32
+
+
+@pytest.mark.parametrize(("heads", "num_kv_heads"), [(3, 6), (8, 8), (0, 4), (4, 6)])
+def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
+    """Checked before the library is asked, so on any machine."""
+    query, cache, _, scale, _, table, _ = _args(hq=num_kv_heads, hkv=num_kv_heads)
+    with pytest.raises(ValueError, match=f"heads={heads}: KV heads per CTA must be one of"):
+        cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
+                                table[:, 0], table[:, 0], 1.0, 1, heads, query, query)

@@ -20,8 +20,10 @@ LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
 KINDS = ("int8_kv", "int8_k", "half")
-# The launcher's switch builds every kind at each of these head dims.
+# The launcher's switch builds every kind at each of these head dims, each with CTAs that
+# serve each of these counts of KV heads (every count divides every variant's warps).
 HEAD_DIMS = (64, 128, 256)
+HEADS_PER_CTA = (1, 2, 4)
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
@@ -108,7 +110,7 @@ def heads_per_cta(variant: Variant, num_kv_heads: int, batch: int, sm_count: int
     count fewer heads per CTA take fewer splits: on the H200 at B=8, qwen35 with 1 head and
     4 splits was 1-6% faster than with 2 heads and 8, while at B=64 llama3_8b's INT8 caches
     with 4 heads per CTA fit one wave and beat 1 and 2 heads by 1.5-6% (calls 53-54)."""
-    fits = [h for h in (1, 2, 4) if h <= variant.heads and num_kv_heads % h == 0]
+    fits = [h for h in HEADS_PER_CTA if h <= variant.heads and num_kv_heads % h == 0]
     slots = variant.resident * sm_count
     return next((h for h in fits if batch * num_kv_heads // h <= slots), fits[-1])
 
@@ -171,12 +173,15 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF) -> None:
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
     else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
-    writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, a
-    divisor of the KV heads and of the variant's warps (heads_per_cta). ``pdl``: one of
+    writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, one of
+    HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of
     PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
+    if heads not in HEADS_PER_CTA or num_kv_heads % heads:
+        raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
+                         f"and divide the {num_kv_heads} KV heads")
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
     sizes = (_I64 * 7)(num_tokens, num_q_heads, num_q_heads // num_kv_heads, num_blocks,
                        max_blocks, page, shift)
