@@ -13,7 +13,8 @@ same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
     python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality,
-                                                       # targets, host, overhead
+                                                       # targets, balanced, skew, host,
+                                                       # overhead
     python benchmarks/bench_decode.py --replot benchmarks/RESULTS.md --section "Call 26" \
         --plot decode_bandwidth.png                    # redraw a recorded table, no GPU
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import platform
 import re
@@ -176,13 +178,23 @@ def best_contiguous(case: Case, reps: dict) -> dict[str, float]:
     return times
 
 
+@functools.cache
+def _capture_stream() -> torch.cuda.Stream:
+    return torch.cuda.Stream()
+
+
 def captured(fn: Callable) -> torch.cuda.CUDAGraph:
-    """One call of ``fn`` in a CUDA graph, after two warm-up calls (compiles, autotuning)."""
-    fn()
-    fn()
+    """One call of ``fn`` in a CUDA graph, after two warm-up calls (compiles, autotuning) on
+    the stream it is captured on, as a server warms up before capturing: state a kernel
+    keeps per stream (the balanced grid's counts) then exists before the capture."""
+    stream = _capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     return graph
 
@@ -575,6 +587,54 @@ def sweep_targets(bw: float) -> None:
         min(best_contiguous(case, reps).values()), reps))
 
 
+def sweep_balanced(bw: float) -> None:
+    """The balanced grid against each cache format's default path, by KV heads per CTA, at
+    the target points, B=8 L=8192 and B=64 L=1536, as ratios to contiguous SDPA."""
+    reps = dict(warmup=5, rep=20)
+    device = torch.device("cuda")
+
+    def visit(gname: str, case: Case) -> None:
+        (_, hkv, d), batch = case.geo, case.batch
+        contig_us = min(best_contiguous(case, reps).values())
+        for kind in TARGET_RATIOS:
+            us = bench(lambda k=kind: _pf_call(case, k), reps)
+            cells = [f"default {us:.1f} ({us / contig_us:.3f}x)"]
+            for heads in (h for h in pf_cuda.cuda_native.HEADS_PER_CTA if hkv % h == 0):
+                config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, batch, device, heads)
+                us = bench(lambda c=config, k=kind: _pf_call(
+                    case, k, config=c, splits=pf_cuda.BALANCED, native=True), reps)
+                cells.append(f"balanced/{heads} {us:.1f} ({us / contig_us:.3f}x)")
+            print(f"balanced {gname} B={batch} L={case.length} {kind}: {', '.join(cells)}; "
+                  f"contiguous SDPA {contig_us:.1f}", flush=True)
+
+    _each_case(TARGET_POINTS + ((8, 8192), (64, 1536)), visit)
+
+
+def sweep_skew(bw: float) -> None:
+    """A batch of one long sequence among short ones, as continuous batching serves (one
+    request deep into a long context, the rest early in theirs): sequence 0 keeps all
+    L=32768 keys, the others L / 32. Each cache format's default path against the balanced
+    grid (default KV heads per CTA), with the fraction of the floor of the keys present."""
+    reps = dict(warmup=5, rep=20)
+
+    def visit(gname: str, case: Case) -> None:
+        case.seq_lens.fill_(case.length // 32)
+        case.seq_lens[0] = case.length
+        present = float(case.seq_lens.sum()) / (case.batch * case.length)
+        cells = []
+        for kind in TARGET_RATIOS:
+            floor_us = present * case.bytes(kind) / bw * 1e6
+            split = bench(lambda k=kind: _pf_call(case, k), reps)
+            config, _ = default_launch(case, kind)
+            balanced = bench(lambda c=config, k=kind: _pf_call(
+                case, k, config=c, splits=pf_cuda.BALANCED, native=True), reps)
+            cells.append(f"{kind} default {split:.1f} ({100 * floor_us / split:.0f}%) / "
+                         f"balanced {balanced:.1f} ({100 * floor_us / balanced:.0f}%)")
+        print(f"skew {gname} B={case.batch} L={case.length}: {'; '.join(cells)}", flush=True)
+
+    _each_case(((8, 32768), (64, 32768)), visit)
+
+
 OVERHEAD_POINTS = ((1, 8192), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
 
 
@@ -655,7 +715,8 @@ def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
     configs ("tiles"), the bf16 split counts ("splits"), the block table's order
-    ("locality"), the default paths at the target points ("targets"), the host cost of
+    ("locality"), the default paths at the target points ("targets"), the balanced grid
+    ("balanced"; "skew": on one long sequence among short ones), the host cost of
     an eager call ("host") or the fixed costs around the decode kernel ("overhead")."""
     if what.startswith("native"):  # native, or native:KIND[,KIND...] (bench_decode's kinds)
         kinds = what.partition(":")[2]
@@ -666,6 +727,12 @@ def sweep(bw: float, what: str) -> None:
         return
     if what == "targets":
         sweep_targets(bw)
+        return
+    if what == "balanced":
+        sweep_balanced(bw)
+        return
+    if what == "skew":
+        sweep_skew(bw)
         return
     if what == "host":
         host_overhead()
@@ -833,7 +900,7 @@ def main() -> None:
     parser.add_argument("--plot", help="write the bandwidth plot here")
     parser.add_argument("--sweep", help="a tuning sweep instead of the table: native (or "
                         "native:bf16,int8_k,... for some cache formats), tiles, splits, "
-                        "locality, targets, host or overhead")
+                        "locality, targets, balanced, skew, host or overhead")
     parser.add_argument("--quick", action="store_true", help="B in (1, 8), L=1536 only")
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
                         help="the table's batch sizes (the split check and host cost run "

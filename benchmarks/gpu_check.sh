@@ -96,6 +96,9 @@ cases += [(dict(batch=3, hq=12, hkv=2, d=128, kv_int8=kv, seq_lens=[300, 45, 1])
            dict(native=True, max_query_len=1, splits=2,  # one KV head per CTA
                 config=cuda.native_config(kind, 128, 2, 3, torch.device("cuda"), 1)))
           for kind, kv in (("int8_kv", "kv"), ("int8_k", "k"), ("half", None))]
+cases += [(dict(batch=3, hq=32, hkv=8, d=d, kv_int8=kv, seq_lens=[300, 45, 1]),
+           dict(native=True, max_query_len=1, splits=0))  # the balanced grid, its merges
+          for d, kv in ((128, "kv"), (64, "k"), (256, None))]
 for spec, kw in cases:
     case = make_case(**spec)
     case["block_table"][0, 0] = 10**6  # clamped inside the kernel, never read out of bounds

@@ -263,8 +263,9 @@ def test_int8_matches_reference(name, native):
 
 # The CUDA C++ decode, for each cache kind (INT8 K+V, INT8 K + 16-bit V, 16-bit K+V): every
 # head_dim, GQA 1/4/5/6/8, pages 1/16/256, NHD and HND, int32/int64 indices (mixed too),
-# bf16/fp16, B 1 to 64, lengths off the page and the warp tiles, and split counts that leave
-# some splits and warps without keys.
+# bf16/fp16, B 1 to 64, lengths off the page and the warp tiles, split counts that leave
+# some splits and warps without keys, and the balanced grid (splits 0: on these small cases
+# most items are cut into pieces across many CTAs, and many CTAs have no keys at all).
 NATIVE_CASES = {
     "d128-gqa4-b8": dict(batch=8, hq=32, hkv=8, d=128),
     "d64-gqa8-page1": dict(batch=4, hq=32, hkv=4, d=64, page=1),
@@ -285,7 +286,7 @@ def _native_tol(case: dict) -> float:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+@pytest.mark.parametrize("splits", [None, 0, 1, 3, 16])
 @pytest.mark.parametrize("name", list(NATIVE_CASES))
 def test_native_decode_matches_reference(name, splits, kind):
     case = make_case(kv_int8=KINDS[kind], **NATIVE_CASES[name])
@@ -298,18 +299,20 @@ def test_native_decode_matches_reference(name, splits, kind):
     (kind, d) for kind in cuda_native.KINDS for d in cuda_native.HEAD_DIMS])
 def test_native_decode_every_heads_per_cta(kind, d):
     """Every variant the Python table declares is built by the C++ launcher, fits on an SM,
-    and is right with every count of KV heads per CTA the launcher builds (8 KV heads, a
-    group of 3, sequences that end mid-tile)."""
+    and is right with every count of KV heads per CTA the launcher builds, in the split grid
+    and the balanced one (8 KV heads, a group of 3, sequences that end mid-tile)."""
     from pagedfuse.ops import cuda
 
     device = torch.device("cuda")
     variant = cuda_native.decode_variant(device, kind, d)
-    assert variant.resident >= 1 and variant.warps % variant.heads == 0
+    assert variant.resident >= 1 and variant.balanced_resident >= 1
+    assert variant.warps % variant.heads == 0
     case = make_case(batch=3, hq=24, hkv=8, d=d, kv_int8=KINDS[kind], seq_lens=[700, 45, 301])
     for heads in cuda_native.HEADS_PER_CTA:
         config = cuda.native_config(kind, d, 8, 3, device, heads=heads)
-        out = run_kernel(case, max_query_len=1, splits=2, native=True, config=config)
-        assert rel_err(out, reference(case)) < _native_tol(case), heads
+        for splits in (2, cuda.BALANCED):
+            out = run_kernel(case, max_query_len=1, splits=splits, native=True, config=config)
+            assert rel_err(out, reference(case)) < _native_tol(case), (heads, splits)
 
 
 def test_native_decode_rejects_heads_per_cta_that_do_not_divide():
@@ -342,7 +345,7 @@ def _rising_keys(case: dict, rate: float) -> None:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [0, 1, 3])
 def test_native_decode_rising_scores(splits, kind):
     case = make_case(batch=2, hq=8, hkv=2, d=128, kv_int8=KINDS[kind], seq_lens=[900, 613])
     _rising_keys(case, rate=0.1)
@@ -412,7 +415,7 @@ def test_default_path_takes_the_native_decode(kind, d, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [0, 1, 3])
 def test_dependent_launch_changes_no_bit(kind, splits, monkeypatch):
     """Programmatic dependent launch (sm_90) equals the plain launch bit for bit, with a new
     query on every call: a decode that read the query before quantize_int8 had written it,
@@ -437,6 +440,87 @@ def test_dependent_launch_changes_no_bit(kind, splits, monkeypatch):
     assert rel_err(outs[0], reference(case)) < _native_tol(case)
     first = cuda_native.PDL_WAIT_FIRST if kind == "half" else cuda_native.PDL_AFTER_QUANTIZE
     assert launches == [first, cuda_native.PDL_OFF] * 20
+
+
+def _balanced_counts() -> torch.Tensor:
+    """The balanced grid's arrival counts of the current stream."""
+    stream = torch.cuda.current_stream().cuda_stream
+    return cuda_native._counters[torch.cuda.current_device(), stream]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_balanced_grid_merges_in_a_fixed_order_and_leaves_its_counts_at_zero(kind):
+    """Sequence 1 has no query token (its items have no steps), sequence 3 is one page; the
+    others are cut into pieces across CTAs. Every call gives the same bits whichever CTA
+    merged, and leaves every count at zero for the next launch."""
+    case = make_case(batch=5, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 16, 1500],
+                     kv_int8=KINDS[kind])
+    case["query"] = case["query"][:4]
+    case["query_start_loc"] = torch.tensor([0, 1, 1, 2, 3, 4], dtype=torch.int32,
+                                           device="cuda")
+    outs = [run_kernel(case, max_query_len=1, splits=0, native=True) for _ in range(10)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert rel_err(outs[0], reference(case)) < _native_tol(case)
+    assert not _balanced_counts().any()
+
+
+def test_balanced_grid_replays_in_a_cuda_graph():
+    """A graph captured on a stream with no counts yet records their zeroing; its replays
+    equal the eager call bit for bit, see new inputs, and leave the counts at zero; an eager
+    call on that stream afterwards zeroes them first."""
+    case = make_case(batch=4, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 1500],
+                     kv_int8="kv")
+    call = lambda: run_kernel(case, max_query_len=1, splits=0, native=True)  # noqa: E731
+    eager = call()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = call()
+    outs = []
+    for _ in range(20):
+        graph.replay()
+        outs.append(captured.clone())
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, eager) for o in outs)
+    case["query"].copy_(torch.randn_like(case["query"]))
+    graph.replay()
+    assert rel_err(captured, reference(case)) < 3e-2
+    with torch.cuda.stream(stream):
+        assert torch.equal(call(), captured)
+        torch.cuda.synchronize()
+        assert not _balanced_counts().any()
+
+
+def test_pagedfuse_balanced_makes_the_default_path_take_the_balanced_grid(monkeypatch):
+    from pagedfuse.ops import cuda
+
+    grids = []
+    launch = cuda_native.decode_into
+    monkeypatch.setattr(cuda_native, "decode_into",
+                        lambda *args, **kw: grids.append(kw["ctas"]) or launch(*args, **kw))
+    case = make_case(batch=5, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 16, 1500],
+                     kv_int8="kv")
+    split = run_kernel(case, max_query_len=1)
+    monkeypatch.setattr(cuda, "BALANCED_GRID", True)
+    balanced = run_kernel(case, max_query_len=1)
+    assert grids[0] == 0 and grids[1] > 0
+    assert rel_err(balanced, reference(case)) < _native_tol(case)
+    assert rel_err(balanced, split) < 1e-2
+
+
+def test_balanced_grid_is_the_plans_choice_up_to_its_batch_limit():
+    from pagedfuse.ops import cuda
+
+    config = cuda.LaunchConfig(64, 8, 1, resident=4, heads=4, balanced=True)
+    plan = lambda batch: cuda.launch_plan(  # noqa: E731
+        batch, 32, 8, 128, batch, 8192, 1, 132, config)
+    assert plan(64).splits == cuda.BALANCED
+    assert plan(cuda_native.BALANCED_MAX_BATCH + 1).splits >= 1
+    assert cuda.launch_plan(64, 32, 8, 128, 64, 8192, 1, 132,
+                            config._replace(balanced=False)).splits >= 1
+    with pytest.raises(ValueError, match="splits=0 .* is the CUDA C.. decode's"):
+        run_kernel(make_case(batch=2, hq=8, hkv=2, d=128), splits=0, native=False)
 
 
 def test_ops_route_to_the_cuda_kernels():

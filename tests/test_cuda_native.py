@@ -90,7 +90,8 @@ def test_query_rows_read_in_place_only_when_aligned():
 ])
 def test_heads_per_cta_divide_the_kv_heads_and_fill_one_wave(tuned, num_kv_heads, batch,
                                                               heads):
-    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=tuned)
+    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=tuned,
+                                  balanced_resident=1)
     assert cuda_native.heads_per_cta(variant, num_kv_heads, batch, sm_count=132) == heads
     assert cuda_native.cta_tokens(variant, heads) == 8 // heads * 32
 
@@ -102,3 +103,26 @@ def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
     with pytest.raises(ValueError, match=f"heads={heads}: KV heads per CTA must be one of"):
         cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
                                 table[:, 0], table[:, 0], 1.0, 1, heads, query, query)
+
+
+@pytest.mark.parametrize(("batch", "counters", "ctas"), [
+    (cuda_native.BALANCED_MAX_BATCH + 1, 10**5, 132),  # more sequences than its scan takes
+    (3, None, 132),  # no counters
+    (3, 2, 132),  # fewer counters than (sequence, head group) pairs: 3 x 2
+    (3, 10**5, 131),  # not a multiple of the 2 head groups
+])
+def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas):
+    """Checked before the library is asked, so on any machine."""
+    query, cache, _, scale, _, _, _ = _args()
+    table = torch.zeros(batch, 5, dtype=torch.int32)
+    counts = None if counters is None else torch.zeros(counters, dtype=torch.int32)
+    with pytest.raises(ValueError, match="the balanced grid takes at most 2048 sequences"):
+        cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
+                                table[:, 0], table[:, 0], 1.0, 0, 1, query, query,
+                                ctas=ctas, counters=counts)
+
+
+@pytest.mark.parametrize(("groups", "ctas"), [(1, 264), (2, 264), (8, 264), (5, 260)])
+def test_the_balanced_grid_is_one_resident_wave_of_whole_head_groups(groups, ctas):
+    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=4, balanced_resident=2)
+    assert cuda_native.balanced_ctas(variant, sm_count=132, head_groups=groups) == ctas

@@ -17,7 +17,9 @@
 // heads fastest, so the CTAs that run together read the neighbouring heads of the same
 // token rows (on the H200 3-8% faster for llama3_8b at B=64 than sequences fastest); each
 // warp serves one of the CTA's heads and walks its own tiles of kTile tokens (Traits) with
-// its own online softmax, and the CTA merges each head's warps at the end.
+// its own online softmax, and the CTA merges each head's warps at the end. The balanced grid
+// (PAGEDFUSE_BALANCED=1; see balanced_grid) runs the same CTA pass over equal shares of the
+// batch's keys instead, for batches whose lengths differ widely.
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
 // stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. The
@@ -99,6 +101,7 @@ __device__ __forceinline__ unsigned long long clock_ns() {
 #endif
 
 constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
+constexpr int kBalancedMaxBatch = 2048;  // sequences the balanced grid takes (cuda_native's)
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
 
 // What the cache holds; the codes are the C ABI's (cuda_native.KINDS lists them in order).
@@ -152,6 +155,9 @@ struct Args {
   int index64;            // bits 0, 1, 2: block_table, seq_lens, query_start are int64
   int query_pending;      // 1: the grid this launch follows (PDL) writes only q and q_scale,
                           // so lengths, table and cache are read before waiting for it
+  int* counters;          // balanced grid: one per sequence and head group, zero between
+                          // launches (part_o/part_lse then hold 2 pieces per CTA of
+                          // H * group rows)
   int64_t q_stride_t, k_sh, v_sh, ks_sh, vs_sh, bt_sb;  // per-CTA bases: 64-bit (K/V bytes)
   uint32_t k_sb, k_st, v_sb, v_st;                       // per token: 16-byte units
   uint32_t ks_sb, ks_st, vs_sb, vs_st, bt_sn;            // per token: elements
@@ -387,10 +393,34 @@ __host__ __device__ constexpr size_t smem_bytes() {
 template <int D, int KIND>
 constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
 
+// The log2-domain log-sum-exp of a row whose scores peak at m and whose exponentials sum to
+// l (-inf for a row without keys).
+__device__ __forceinline__ float log_sum_exp2(float m, float l) {
+  return l > 0.f ? m + log2f(l) : -INFINITY;
+}
+
+// One sequence's lengths, clamped as the Triton kernel clamps them.
+struct Seq {
+  int64_t len, q_start, q_end;
+};
+__device__ __forceinline__ Seq sequence(const Args& a, int b) {
+  const int64_t len = clamp(load_index(a.seq_lens, b, a.index64 & 2), 0,
+                            static_cast<int64_t>(a.max_blocks) * a.page);
+  const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
+  return {len, q_start,
+          clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens)};
+}
+
+// One CTA's pass over keys [kv_lo, kv_hi) of sequence b (its query token `token`, seq_len
+// keys) for KV heads kvh0 .. kvh0 + H - 1: the warps stream their tiles, the CTA merges
+// them, and each row's result goes to emit(r, d, value, m, l) (row r = slot * group + h:
+// query head h of KV head kvh0 + slot; m, l: its max score and sum of exponentials, log2
+// domain). It ends with __syncthreads, so the CTA may run another span after it.
 // H: KV heads per CTA. E: the output dtype, also the query's, and the 16-bit cache's.
-template <int D, int KIND, int H, typename E>
-__global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>)
-    paged_decode_kernel(const Args a) {
+template <int D, int KIND, int H, typename E, typename Emit>
+__device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int64_t seq_len,
+                                            int64_t token, int64_t kv_lo, int64_t kv_hi,
+                                            Emit emit) {
   constexpr int S = kStages;
   static_assert(S >= 1, "a cp.async pipeline of at least one stage");
   using T = Traits<KIND, D>;
@@ -415,39 +445,18 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
   // at head_dim 64). A thread writes one word per head (two at head_dim 64, 16-bit V).
   __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
 
-#ifdef PF_CTA_CLOCK
-  const unsigned long long clock_start = clock_ns();
-#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // KV heads kvh0 .. kvh0 + H - 1, head_warps warps each on their tiles of the split
+  // KV heads kvh0 .. kvh0 + H - 1, head_warps warps each on their tiles of the span
   static_assert(kWarps % H == 0, "every KV head of a CTA has as many warps");
-  constexpr int head_warps = kWarps / H, cta_tokens = head_warps * kTile;  // split chunks:
-  const int head_groups = a.num_kv_heads / H;                             // multiples
-  const int kvh0 = static_cast<int>(blockIdx.x % head_groups) * H;
+  constexpr int head_warps = kWarps / H, cta_tokens = head_warps * kTile;
   const int kvh = kvh0 + warp / head_warps, head_warp = warp % head_warps;
-  const unsigned rest = blockIdx.x / head_groups;
-  const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
-  const int splits = static_cast<int>(gridDim.x / (head_groups * a.batch));
   const int group = a.group;
   Buf* bufs = reinterpret_cast<Buf*>(smem) + warp * S;
   const int8_t* k_head = a.k + kvh * a.k_sh;
   const int8_t* v_head = a.v + kvh * a.v_sh;
   const float* ks_head = a.k_scale + kvh * a.ks_sh;
   const float* vs_head = a.v_scale + kvh * a.vs_sh;
-
-  if (!a.query_pending) grid_wait();  // everything may come from the grid before
-  const int64_t seq_len = clamp(load_index(a.seq_lens, b, a.index64 & 2), 0,
-                                a.max_blocks * a.page);
-  const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
-  const int64_t q_end = clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start,
-                              a.num_tokens);
-  if (q_end == q_start) return;  // no query token for this sequence
-  const int64_t token = q_start;
-  const int64_t chunk = ((seq_len + splits - 1) / splits + cta_tokens - 1) / cta_tokens *
-                        cta_tokens;
-  const int64_t kv_lo = split * chunk;
-  const int64_t kv_hi = kv_lo + chunk < seq_len ? kv_lo + chunk : seq_len;
   const int64_t first = kv_lo + head_warp * kTile;  // this warp's tiles: first + i * cta_tokens
   const int num_tiles =
       first < kv_hi ? static_cast<int>((kv_hi - first + cta_tokens - 1) / cta_tokens) : 0;
@@ -715,7 +724,7 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
 
   grid_release();  // a split combine after this grid may start; it waits for these writes
 #ifdef PF_CTA_CLOCK
-  const unsigned long long clock_tiles = clock_ns();
+  if (threadIdx.x == 0 && blockIdx.x < kClockCtas) g_cta_clock[4 * blockIdx.x + 1] = clock_ns();
 #endif
 
   // Merge the warps: each publishes its (m, l, O) per head; the CTA combines them. O goes
@@ -734,10 +743,9 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
     }
   }
   __syncthreads();
-  const bool direct = splits == 1;
   for (int idx = threadIdx.x; idx < H * group * D; idx += kWarps * 32) {
-    const int slot = idx / (group * D), h = idx / D % group, d = idx % D;
-    const int w0 = slot * head_warps;  // the warps of KV head kvh0 + slot
+    const int r = idx / D, d = idx % D;
+    const int w0 = r / group * head_warps, h = r % group;  // the warps of KV head kvh0 + r / group
     float mx = -INFINITY;
 #pragma unroll
     for (int w = w0; w < w0 + head_warps; ++w) mx = fmaxf(mx, s_m[w][h]);
@@ -749,15 +757,244 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
       lsum += e * s_l[w][h];
       acc += e * s_o[w][h][d];
     }
-    const float val = acc / (lsum > 0.f ? lsum : 1.f);
-    const int64_t row = token * a.num_q_heads + (kvh0 + slot) * group + h;
-    if (direct) {
-      static_cast<E*>(a.out)[row * D + d] = to_out<E>(val);
+    emit(r, d, acc / (lsum > 0.f ? lsum : 1.f), m_use, lsum);
+  }
+  __syncthreads();  // the next span reuses the shared memory
+}
+
+// The split grid: one CTA per (group of H KV heads, sequence, split), heads fastest, each on
+// its split's chunk of the keys; with more than one split a combine kernel merges them.
+template <int D, int KIND, int H, typename E>
+__device__ __forceinline__ void split_grid(const Args& a) {
+  using T = Traits<KIND, D>;
+  constexpr int cta_tokens = T::warps / H * T::tile;  // split chunks are multiples of it
+  const int head_groups = a.num_kv_heads / H;
+  const int kvh0 = static_cast<int>(blockIdx.x % head_groups) * H;
+  const unsigned rest = blockIdx.x / head_groups;
+  const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
+  const int splits = static_cast<int>(gridDim.x / (head_groups * a.batch));
+
+  if (!a.query_pending) grid_wait();  // everything may come from the grid before
+  const Seq s = sequence(a, b);
+  if (s.q_end == s.q_start) return;  // no query token for this sequence
+  const int64_t chunk = ((s.len + splits - 1) / splits + cta_tokens - 1) / cta_tokens *
+                        cta_tokens;
+  const int64_t kv_lo = split * chunk;
+  const int64_t kv_hi = kv_lo + chunk < s.len ? kv_lo + chunk : s.len;
+  const int64_t row0 = s.q_start * a.num_q_heads + static_cast<int64_t>(kvh0) * a.group;
+  const int64_t rows = a.num_tokens * a.num_q_heads;
+  E* out = static_cast<E*>(a.out);
+  decode_span<D, KIND, H, E>(a, b, kvh0, s.len, s.q_start, kv_lo, kv_hi,
+                             [&](int r, int d, float val, float m, float l) {
+    const int64_t row = row0 + r;
+    if (splits == 1) {
+      out[row * D + d] = to_out<E>(val);
     } else {
-      const int64_t rows = a.num_tokens * a.num_q_heads;
       a.part_o[(split * rows + row) * D + d] = val;
-      if (d == 0) a.part_lse[split * rows + row] = lsum > 0.f ? m_use + log2f(lsum) : -INFINITY;
+      if (d == 0) a.part_lse[split * rows + row] = log_sum_exp2(m, l);
     }
+  });
+}
+
+// Four floats from global memory through L2 only: the balanced grid's merge reads pieces
+// other CTAs wrote during this launch.
+__device__ __forceinline__ float4 load_l2(const float* p) {
+  return __ldcg(reinterpret_cast<const float4*>(p));
+}
+
+// The balanced grid: as many CTAs as fit at once (a multiple of the head groups), CTA c
+// serving head group c % groups, each with an equal share of all the launch's key steps
+// (cta_tokens keys of one sequence), in (sequence, keys) order: CTAs c and c + 1 stream the
+// same token rows of neighbouring heads at the same time, as the split grid's heads-first
+// order does (on the H200 a (sequence, head group, keys) order was 20% slower at B=64). A
+// share is a run of steps: whole items (sequence, head group) in the middle, written
+// straight to the output, and at most two pieces of items shared with the CTAs before and
+// after it, written to its two partial slots. The CTA whose piece completes an item's
+// steps (an atomic count per item, which it resets to 0 for the next launch) merges the
+// pieces in CTA order, so the result does not depend on which CTA that is. Every SM stays
+// busy to the end and no combine kernel runs, where the split grid leaves SMs idle once
+// its CTAs do not divide into whole waves.
+template <int D, int KIND, int H, typename E>
+__device__ __forceinline__ void balanced_grid(const Args& a) {
+  using T = Traits<KIND, D>;
+  constexpr int kWarps = T::warps, kThreads = kWarps * 32;
+  constexpr int cta_tokens = kWarps / H * T::tile;
+  constexpr int kPer = kBalancedMaxBatch / kThreads;  // sequences per thread in the scan
+  static_assert(kBalancedMaxBatch % kThreads == 0, "whole runs of sequences per thread");
+  static_assert(D % 4 == 0, "the merge reads 4 dims at a time");
+  __shared__ int64_t s_warp_steps[kWarps];
+  __shared__ int64_t s_base;  // the first step of sequence s_seq, where the share starts
+  __shared__ int64_t s_steps, s_lo, s_hi;  // all steps; the share: steps lo .. hi - 1
+  __shared__ int s_seq, s_merge;
+  // The piece loop's state, in shared memory (iteration k's in [k & 1], written by thread 0
+  // before its span) rather than in registers live across the span's tile loop: held in
+  // registers it took the balanced kernel 16 registers over the split grid's and made its
+  // tile loop 19% slower on the H200 (benchmarks/NOTES-gpu.md, call 61).
+  struct Piece {
+    int64_t pos, taken;  // its first step and step count
+    int64_t base, n;     // its sequence's first step and step count
+    int64_t row0, slot;  // its first output row, and its partial slot (unless whole)
+    int b, whole;        // its sequence; whether it is the sequence's whole item
+  };
+  __shared__ Piece s_piece[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int groups = a.num_kv_heads / H, rows = H * a.group;
+  const int hg = static_cast<int>(blockIdx.x % groups);
+  const int64_t ctas = gridDim.x / groups, cta = blockIdx.x / groups;  // within head group hg
+  E* out = static_cast<E*>(a.out);
+
+  if (!a.query_pending) grid_wait();  // everything may come from the grid before
+  // Steps of a sequence: none without a query token, one for a query without keys (its
+  // output is still written).
+  const auto steps_of = [](const Seq& s) -> int64_t {
+    return s.q_end == s.q_start ? 0 : s.len == 0 ? 1 : (s.len + cta_tokens - 1) / cta_tokens;
+  };
+  // An exclusive scan of the sequences' steps, kPer sequences per thread, to find where this
+  // CTA's share starts.
+  const int seq0 = threadIdx.x * kPer;
+  int64_t n_of[kPer], mine = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    n_of[j] = seq0 + j < a.batch ? steps_of(sequence(a, seq0 + j)) : 0;
+    mine += n_of[j];
+  }
+  int64_t upto = mine;  // this warp's sequences up to this thread's last
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t x = __shfl_up_sync(0xffffffffu, upto, o);
+    if (lane >= o) upto += x;
+  }
+  if (lane == 31) s_warp_steps[warp] = upto;
+  __syncthreads();
+  int64_t before = upto - mine, steps = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    before += w < warp ? s_warp_steps[w] : 0;
+    steps += s_warp_steps[w];
+  }
+  const auto share_start = [&](int64_t c) { return c * steps / ctas; };
+  const int64_t lo = share_start(cta), hi = share_start(cta + 1);
+  if (lo < hi && before <= lo && lo < before + mine) {
+    int64_t at = before;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {  // the sequence of step lo, among this thread's
+      if (at <= lo && lo < at + n_of[j]) s_seq = seq0 + j, s_base = at;
+      at += n_of[j];
+    }
+  }
+  if (threadIdx.x == 0) s_steps = steps, s_lo = lo, s_hi = hi;
+  __syncthreads();
+  if (cta >= ctas || lo >= hi) return;  // more CTAs than steps
+
+  for (int k = 0;; ++k) {
+    int64_t pos = s_lo, base = s_base;
+    int b = s_seq;
+    if (k > 0) {
+      const Piece& p = s_piece[(k - 1) & 1];
+      pos = p.pos + p.taken, base = p.base, b = p.b;
+    }
+    const int64_t end = s_hi;
+    if (pos >= end) break;
+    Seq s = sequence(a, b);
+    int64_t n = steps_of(s);
+    while (pos >= base + n) {  // past this sequence's steps (or it has none)
+      base += n, ++b;
+      s = sequence(a, b);
+      n = steps_of(s);
+    }
+    const int64_t s0 = pos - base, s1 = s0 + (end - pos) < n ? s0 + (end - pos) : n;
+    if (threadIdx.x == 0) {
+      // Slot 0 for the share's first piece, 1 for its last (the merge below finds them so).
+      s_piece[k & 1] = {pos, s1 - s0, base, n,
+                        s.q_start * a.num_q_heads + static_cast<int64_t>(hg) * rows,
+                        2 * static_cast<int64_t>(blockIdx.x) + (pos == s_lo ? 0 : 1), b,
+                        s0 == 0 && s1 == n};
+    }
+    const int64_t kv_hi = s1 * cta_tokens < s.len ? s1 * cta_tokens : s.len;
+    decode_span<D, KIND, H, E>(a, b, hg * H, s.len, s.q_start, s0 * cta_tokens, kv_hi,
+                               [&](int r, int d, float val, float m, float l) {
+      const Piece& p = s_piece[k & 1];
+      if (p.whole) {
+        out[(p.row0 + r) * D + d] = to_out<E>(val);
+      } else {
+        a.part_o[(p.slot * rows + r) * D + d] = val;
+        if (d == 0) a.part_lse[p.slot * rows + r] = log_sum_exp2(m, l);
+      }
+    });
+    const Piece& p = s_piece[k & 1];
+    if (p.whole) continue;
+
+    // Publish the piece; the one that completes the item's steps merges.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int item = p.b * groups + hg, taken = static_cast<int>(p.taken);
+      const bool last = atomicAdd(a.counters + item, taken) + taken == p.n;
+      if (last) a.counters[item] = 0;  // every piece has counted: ready for the next launch
+      s_merge = last;
+    }
+    __syncthreads();
+    if (!s_merge) continue;
+    __threadfence();
+    // The item's pieces: those of the head group's CTAs c_lo .. c_hi that have a share (with
+    // more CTAs than steps some have none); c_lo's is its slot 1 where the item starts after
+    // its share does. Each thread merges 4 dims of a row, kBatch pieces' loads in flight at
+    // once, with a running max.
+    const auto piece_start = [&](int64_t c) { return c * s_steps / ctas; };  // share_start
+    const auto owner = [&](int64_t step) { return ((step + 1) * ctas - 1) / s_steps; };
+    const int64_t c_lo = owner(p.base), c_hi = owner(p.base + p.n - 1);
+    constexpr int kBatch = 4;
+    for (int idx = threadIdx.x; idx < rows * D / 4; idx += kThreads) {
+      const int r = idx / (D / 4), d = idx % (D / 4) * 4;
+      float m = -INFINITY, l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int64_t c0 = c_lo; c0 <= c_hi; c0 += kBatch) {
+        float lse[kBatch];
+        float4 o[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int64_t c = c0 + j;
+          lse[j] = -INFINITY, o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (c <= c_hi && piece_start(c) < piece_start(c + 1)) {
+            const int64_t at = (2 * (c * groups + hg) +
+                                (c == c_lo && piece_start(c) < p.base ? 1 : 0)) * rows + r;
+            lse[j] = __ldcg(a.part_lse + at);
+            o[j] = load_l2(a.part_o + at * D + d);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const float m_new = fmaxf(m, lse[j]);
+          if (m_new == -INFINITY) continue;  // no keys so far
+          const float keep = exp2f(m - m_new), w = exp2f(lse[j] - m_new);
+          l = l * keep + w;
+          acc.x = acc.x * keep + w * o[j].x, acc.y = acc.y * keep + w * o[j].y;
+          acc.z = acc.z * keep + w * o[j].z, acc.w = acc.w * keep + w * o[j].w;
+          m = m_new;
+        }
+      }
+      const float inv = 1.f / (l > 0.f ? l : 1.f);
+      E* dst = out + (p.row0 + r) * D + d;
+      dst[0] = to_out<E>(acc.x * inv), dst[1] = to_out<E>(acc.y * inv);
+      dst[2] = to_out<E>(acc.z * inv), dst[3] = to_out<E>(acc.w * inv);
+    }
+  }
+}
+
+// kBalanced: the balanced grid, else the split grid (two kernels: the balanced grid's loop
+// over pieces takes the split grid's 4-warp variants up to 40 more registers, 2 CTAs per SM
+// instead of 3).
+template <int D, int KIND, int H, bool kBalanced, typename E>
+__global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>)
+    paged_decode_kernel(const Args a) {
+#ifdef PF_CTA_CLOCK
+  const unsigned long long clock_start = clock_ns();
+  if (threadIdx.x == 0 && blockIdx.x < kClockCtas) g_cta_clock[4 * blockIdx.x + 1] = clock_start;
+#endif
+  if constexpr (kBalanced) {
+    balanced_grid<D, KIND, H, E>(a);
+  } else {
+    split_grid<D, KIND, H, E>(a);
   }
 #ifdef PF_CTA_CLOCK
   __syncthreads();
@@ -765,59 +1002,84 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     unsigned long long* stamp = g_cta_clock + 4 * blockIdx.x;
-    stamp[0] = clock_start, stamp[1] = clock_tiles, stamp[2] = clock_ns(), stamp[3] = sm;
+    stamp[0] = clock_start, stamp[2] = clock_ns(), stamp[3] = sm;
   }
 #endif
 }
 
-// How one call launches: the grid's splits and KV heads per CTA, as a programmatic
-// dependent launch or not, on which stream.
+// How one call launches: the grid's splits (or, balanced, its CTAs) and KV heads per CTA,
+// as a programmatic dependent launch or not, on which stream.
 struct Launch {
-  int splits, heads;
+  int splits, ctas, heads;
   bool pdl;
   cudaStream_t stream;
 };
 
-// One variant: launch it on a grid of (groups of H KV heads, sequences, splits).
-template <int D, int KIND, int H, typename E>
+// A kernel of the (D, KIND) variant with its shared memory opted in beyond the 48 KB
+// default (a per-device setting).
+template <int D, int KIND, typename Kernel>
+cudaError_t opt_in(Kernel kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem_bytes<D, KIND>()));
+}
+
+// One variant: launch it on a grid of (groups of H KV heads, sequences, splits), or of
+// l.ctas CTAs (the balanced grid).
+template <int D, int KIND, int H, bool kBalanced, typename E>
 cudaError_t launch(const Args& a, const Launch& l) {
   using T = Traits<KIND, D>;
-  constexpr int bytes = static_cast<int>(smem_bytes<D, KIND>());
-  const auto kernel = paged_decode_kernel<D, KIND, H, E>;
-  const cudaError_t opt_in = cudaFuncSetAttribute(  // beyond the 48 KB default, per device
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (opt_in != cudaSuccess) return opt_in;
+  const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, E>;
+  const cudaError_t opted = opt_in<D, KIND>(kernel);
+  if (opted != cudaSuccess) return opted;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(a.num_kv_heads / H * a.batch * l.splits));
+  config.gridDim = dim3(static_cast<unsigned>(
+      kBalanced ? l.ctas : a.num_kv_heads / H * a.batch * l.splits));
   config.blockDim = dim3(T::warps * 32);
-  config.dynamicSmemBytes = bytes, config.stream = l.stream;
+  config.dynamicSmemBytes = smem_bytes<D, KIND>(), config.stream = l.stream;
   config.attrs = &attr, config.numAttrs = l.pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
+template <int D, int KIND, int H, typename E>
+cudaError_t launch_grid(const Args& a, const Launch& l) {
+  return l.ctas > 0 ? launch<D, KIND, H, true, E>(a, l) : launch<D, KIND, H, false, E>(a, l);
+}
+
+// CTAs of a kernel that fit on one multiprocessor at once (registers and shared memory).
+template <int D, int KIND, typename Kernel>
+cudaError_t resident(Kernel kernel, int* ctas) {
+  const cudaError_t opted = opt_in<D, KIND>(kernel);
+  if (opted != cudaSuccess) return opted;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      ctas, kernel, Traits<KIND, D>::warps * 32, smem_bytes<D, KIND>());
+}
+
 // The (D, KIND) variants: launch the one of l.heads KV heads per CTA (1, 2 or 4), or with
-// info set (no launch) write the tuned one's CTAs per multiprocessor (registers and shared
-// memory), warps per CTA, tokens per warp tile and KV heads per CTA to info[0..3].
+// info set (no launch) write the tuned one's CTAs per multiprocessor in the split grid,
+// warps per CTA, tokens per warp tile, KV heads per CTA, and CTAs per multiprocessor in the
+// balanced grid to info[0..4].
 template <int D, int KIND, typename E>
 cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
   using T = Traits<KIND, D>;
   if (info != nullptr) {
-    constexpr int bytes = static_cast<int>(smem_bytes<D, KIND>());
-    const auto kernel = paged_decode_kernel<D, KIND, T::heads, E>;
-    const cudaError_t opt_in = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (opt_in != cudaSuccess) return opt_in;
     info[1] = T::warps, info[2] = T::tile, info[3] = T::heads;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(info, kernel, T::warps * 32, bytes);
+    const cudaError_t split = resident<D, KIND>(
+        paged_decode_kernel<D, KIND, T::heads, false, E>, info);
+    if (split != cudaSuccess) return split;
+    return resident<D, KIND>(paged_decode_kernel<D, KIND, T::heads, true, E>, info + 4);
   }
   if (l.heads < 1 || a.num_kv_heads % l.heads != 0) return cudaErrorInvalidValue;
+  if (l.ctas > 0 && (a.batch > kBalancedMaxBatch || a.counters == nullptr ||
+                     l.ctas % (a.num_kv_heads / l.heads) != 0)) {
+    return cudaErrorInvalidValue;
+  }
   switch (l.heads) {
-    case 1: return launch<D, KIND, 1, E>(a, l);
-    case 2: return launch<D, KIND, 2, E>(a, l);
-    case 4: return launch<D, KIND, 4, E>(a, l);
+    case 1: return launch_grid<D, KIND, 1, E>(a, l);
+    case 2: return launch_grid<D, KIND, 2, E>(a, l);
+    case 4: return launch_grid<D, KIND, 4, E>(a, l);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -876,11 +1138,14 @@ extern "C" {
 // power of two); strides: the query's token stride (elements), then (block, token, head)
 // of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
 // column). heads: KV heads per CTA, 1, 2 or 4, dividing num_kv_heads (the op's choice:
-// cuda_native.heads_per_cta). The caller guarantees what cuda_native.decode_unsupported
-// checks (alignment, 32-bit per-token offsets) and num_kv_heads * batch * splits < 2^31.
+// cuda_native.heads_per_cta). ctas > 0: the balanced grid of that many CTAs, a multiple of
+// num_kv_heads / heads (splits unused; batch at most kBalancedMaxBatch; part_o/part_lse hold 2 * ctas pieces of heads * group
+// rows; counters: batch * num_kv_heads / heads ints, zero, and zero again after the grid).
+// The caller guarantees what cuda_native.decode_unsupported checks (alignment, 32-bit
+// per-token offsets) and num_kv_heads * batch * splits < 2^31.
 int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64, int pdl,
                      int head_dim, int heads, int64_t batch, int64_t num_kv_heads,
-                     int64_t splits, const void* q, const float* q_scale, const void* k,
+                     int64_t splits, int64_t ctas, int* counters, const void* q, const float* q_scale, const void* k,
                      const void* v, const float* k_scale, const float* v_scale,
                      const void* block_table, const void* seq_lens, const void* query_start,
                      void* out, float* part_o, float* part_lse, float scale_log2,
@@ -897,6 +1162,7 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
   a.page_shift = static_cast<int>(sizes[6]), a.index64 = index64, a.query_pending = pdl == 2;
   a.batch = static_cast<int>(batch), a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.counters = counters;
   // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
   // 32 bits (K/V in 16-byte units, scales and the table in elements).
   const auto u32 = [](int64_t x) { return static_cast<uint32_t>(x); };
@@ -906,14 +1172,15 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.ks_sb = u32(strides[7]), a.ks_st = u32(strides[8]), a.ks_sh = strides[9];
   a.vs_sb = u32(strides[10]), a.vs_st = u32(strides[11]), a.vs_sh = strides[12];
   a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
-  const Launch l{static_cast<int>(splits), heads, pdl > 0,
+  const Launch l{static_cast<int>(splits), static_cast<int>(ctas), heads, pdl > 0,
                  static_cast<cudaStream_t>(stream)};
   return out_dtype == 0 ? dispatch<__nv_bfloat16>(a, kind, head_dim, l, nullptr)
                         : dispatch<__half>(a, kind, head_dim, l, nullptr);
 }
 
 // The (kind, head_dim) variant on `device`: CTAs per multiprocessor, warps per CTA, tokens
-// per warp tile and default KV heads per CTA, into info[0..3]; returns a cudaError_t code.
+// per warp tile, default KV heads per CTA and CTAs per multiprocessor in the balanced grid,
+// into info[0..4]; returns a cudaError_t code.
 int pagedfuse_decode_variant(int device, int kind, int head_dim, int* info) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
@@ -925,7 +1192,7 @@ int pagedfuse_decode_probe(int device) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, kInt8KV, 4, __nv_bfloat16>);
+  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, kInt8KV, 4, false, __nv_bfloat16>);
 }
 
 #ifdef PF_CTA_CLOCK

@@ -29,6 +29,12 @@ MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this
 # that serializes kernels): the CUDA C++ decode may start while quantize_int8 still runs, and
 # the split combine while the decode finishes, each waiting in the kernel for what it reads.
 PDL = os.environ.get("PAGEDFUSE_PDL", "1") != "0"
+BALANCED = 0  # the split count that means the CUDA C++ decode's balanced grid
+# PAGEDFUSE_BALANCED=1: the CUDA C++ decode takes its balanced grid rather than fixed splits.
+# On the H200 1.5-7x faster on a batch of one long sequence among short ones, 1-7% slower
+# on equal lengths (benchmarks/RESULTS.md, calls 62-63); the lengths are on the device, so
+# the op cannot choose per call.
+BALANCED_GRID = os.environ.get("PAGEDFUSE_BALANCED", "0") == "1"
 
 
 class LaunchConfig(NamedTuple):
@@ -36,7 +42,8 @@ class LaunchConfig(NamedTuple):
     splits a long context takes when one split under-fills the GPU (1: no such rule);
     ``resident``: (sequence, KV head) programs that fit on one SM, where known (then the
     split count fills one wave, see num_kv_splits); ``pow2_wave``: that count is a power of
-    two (else see wave_splits); ``heads``: KV heads per CTA (the CUDA C++ decode)."""
+    two (else see wave_splits); ``heads``: KV heads per CTA and ``balanced``: the balanced
+    grid rather than splits (the CUDA C++ decode)."""
 
     block_n: int
     num_warps: int
@@ -45,6 +52,7 @@ class LaunchConfig(NamedTuple):
     resident: int = 0
     pow2_wave: bool = True
     heads: int = 1
+    balanced: bool = False
 
 
 def launch_config(int8_k: bool) -> LaunchConfig:
@@ -69,7 +77,7 @@ def native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
         heads = cuda_native.heads_per_cta(variant, num_kv_heads, batch, _sm_count(device))
     return LaunchConfig(cuda_native.cta_tokens(variant, heads), variant.warps, 1,
                         resident=variant.resident * heads, pow2_wave=kind != "int8_k",
-                        heads=heads)
+                        heads=heads, balanced=BALANCED_GRID)
 
 
 def native_reason(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -173,14 +181,16 @@ class LaunchPlan(NamedTuple):
 def launch_plan(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                 batch: int, context: int, max_query_len: int | None, sm_count: int,
                 config: LaunchConfig) -> LaunchPlan:
-    """Tile shape and split count for one call's sizes (``context``: longest sequence or its
-    bound, ``max_query_len``: longest query or None for "up to num_tokens")."""
+    """Tile shape and split count (BALANCED where the config takes the balanced grid) for
+    one call's sizes (``context``: longest sequence or its bound, ``max_query_len``: longest
+    query or None for "up to num_tokens")."""
     group = num_q_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     q_bound = max_query_len if max_query_len is not None else num_tokens
     qt = 1 if q_bound <= 1 else min(next_power_of_2(q_bound), max(1, MAX_ROWS // group_pad))
     block_m = max(MIN_ROWS, qt * group_pad)  # padding rows: qt >= every q_len, so masked
-    splits = num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, config)
+    splits = (BALANCED if config.balanced and batch <= cuda_native.BALANCED_MAX_BATCH else
+              num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, config))
     return LaunchPlan(group, group_pad, qt, block_m, splits, q_bound <= 1, config)
 
 
@@ -192,7 +202,8 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
                          max_query_len: int | None, config: LaunchConfig | None = None,
                          splits: int | None = None, native: bool | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D]; ``config``/``splits`` override the heuristics
-    (the benchmark's sweeps). ``native``: None takes the CUDA C++ decode wherever it applies
+    (the benchmark's sweeps; ``splits`` BALANCED: the CUDA C++ decode's balanced grid).
+    ``native``: None takes the CUDA C++ decode wherever it applies
     (on the H200 as fast as the Triton kernel or faster for every cache format and head_dim
     it is built for, bf16 at B >= 8 by 2-14%; benchmarks/RESULTS.md, calls 30-32), False
     always the Triton kernel, True requires the CUDA C++ one."""
@@ -213,31 +224,42 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     plan = launch_plan(num_tokens, num_q_heads, num_kv_heads, head_dim, batch, context,
                        max_query_len, _sm_count(query.device), config or default)
     splits = plan.splits if splits is None else splits
+    if splits == BALANCED and not native:
+        raise ValueError("splits=0 (the balanced grid) is the CUDA C++ decode's")
     pdl = PDL and _pdl_capable(query.device)
     # Pointer slots a specialisation does not read get any tensor (Triton needs a pointer).
     q, q_scale = quantize_int8(query, release=pdl and native) if int8_k else (query, query)
     if native and not int8_k and not cuda_native.aligned_rows(q):
         q = query.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
     direct = splits == 1
+    heads, ctas, counters = plan.config.heads, 0, None
     if direct:
         part_o = part_lse = out
     else:  # one allocation: the partial rows, then their log-sum-exps
         rows = splits * num_tokens * num_q_heads
+        if splits == BALANCED:  # two pieces per CTA of its heads' query rows
+            ctas = cuda_native.balanced_ctas(
+                cuda_native.decode_variant(query.device, kind, head_dim),
+                _sm_count(query.device), num_kv_heads // heads)
+            rows = 2 * ctas * heads * plan.group
+            counters = cuda_native.balanced_counters(query.device,
+                                                     batch * num_kv_heads // heads)
         parts = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
         part_o, part_lse = parts[: rows * head_dim], parts[rows * head_dim:]
     if native:
         cuda_native.decode_into(out, q, q_scale if int8_k else None, key_cache, value_cache,
                                 key_scale, value_scale, block_table, seq_lens,
-                                query_start_loc, scale * LOG2E, splits,
-                                plan.config.heads, part_o, part_lse,
+                                query_start_loc, scale * LOG2E, splits, heads, part_o,
+                                part_lse,
                                 pdl=(cuda_native.PDL_OFF if not pdl else
                                      cuda_native.PDL_AFTER_QUANTIZE if int8_k else
-                                     cuda_native.PDL_WAIT_FIRST))
+                                     cuda_native.PDL_WAIT_FIRST),
+                                ctas=ctas, counters=counters)
     else:
         _launch_triton(plan, splits, out, q, q_scale, key_cache, value_cache, key_scale,
                        value_scale, block_table, seq_lens, query_start_loc, scale, causal,
                        attn_bias, part_o, part_lse)
-    if not direct:
+    if splits > 1:
         combine_splits_kernel[(num_tokens * num_q_heads,)](
             part_o, part_lse, out, num_tokens * num_q_heads, splits,
             SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim, WAIT=pdl,

@@ -25,6 +25,7 @@ KINDS = ("int8_kv", "int8_k", "half")
 HEAD_DIMS = (64, 128, 256)
 HEADS_PER_CTA = (1, 2, 4)
 MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
+BALANCED_MAX_BATCH = 2048  # sequences the balanced grid takes (the kernel's kBalancedMaxBatch)
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 # How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
@@ -38,7 +39,7 @@ _DECODE_ARGTYPES = [
     # device, stream, kind, out_dtype, index64, pdl
     ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_int, ctypes.c_int,  # head_dim, KV heads per CTA
-    _I64, _I64, _I64,  # batch, KV heads, splits
+    _I64, _I64, _I64, _I64, _P,  # batch, KV heads, splits, balanced CTAs, counters
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
     ctypes.c_float, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
 ]
@@ -82,20 +83,22 @@ def decode_available(device: torch.device) -> bool:
 
 class Variant(NamedTuple):
     """A built (kind, head_dim) decode kernel on one device: its CTAs per multiprocessor
-    (registers and shared memory), warps per CTA, tokens per warp tile, and the most KV
-    heads per CTA the op gives it (the kernel's Traits; 1, 2 and 4 are built)."""
+    (registers and shared memory), warps per CTA, tokens per warp tile, the most KV heads
+    per CTA the op gives it (the kernel's Traits; 1, 2 and 4 are built), and CTAs per
+    multiprocessor of its balanced-grid kernel (the size of that grid per SM)."""
 
     resident: int
     warps: int
     tile: int
     heads: int
+    balanced_resident: int
 
 
 @functools.cache
 def decode_variant(device: torch.device, kind: str, head_dim: int) -> Variant:
     """What the library says about that kernel variant on ``device``."""
     lib = library()
-    info = (ctypes.c_int * 4)()
+    info = (ctypes.c_int * len(Variant._fields))()
     err = lib.pagedfuse_decode_variant(_index(device), KINDS.index(kind), head_dim, info)
     if err:
         raise RuntimeError(f"pagedfuse decode variant query failed: "
@@ -119,6 +122,43 @@ def cta_tokens(variant: Variant, heads: int) -> int:
     """Keys a CTA steps over per head at a time (each head's warps' tiles): split chunks
     are multiples of it."""
     return variant.warps // heads * variant.tile
+
+
+def balanced_ctas(variant: Variant, sm_count: int, head_groups: int) -> int:
+    """CTAs of the balanced grid: as many as run at once, the same number for each of the
+    ``head_groups`` groups of KV heads a CTA serves."""
+    return variant.balanced_resident * sm_count // head_groups * head_groups
+
+
+# The balanced grid's arrival counts (one per sequence and head group), per (device,
+# stream): every launch leaves them at zero, so one buffer serves all launches on its
+# stream, and decodes running at once on two streams never share counts. A buffer first
+# made during a CUDA graph capture is zeroed by a memset recorded in that graph (and in each
+# graph captured on its stream until an eager call zeroes it), so it is zero whichever runs
+# first. Replaced buffers stay alive: graphs captured with them still use them.
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+_zeroed_in_graphs_only: set[tuple[int, int]] = set()
+_replaced: list[torch.Tensor] = []
+
+
+def balanced_counters(device: torch.device, items: int) -> torch.Tensor:
+    """The current stream's zeroed int32 counts for a balanced grid of ``items``
+    (sequence, head group) pairs."""
+    key = (_index(device), torch.cuda.current_stream(device).cuda_stream)
+    capturing = torch.cuda.is_current_stream_capturing()
+    counters = _counters.get(key)
+    if counters is None or counters.numel() < items:
+        if counters is not None:
+            _replaced.append(counters)
+        counters = _counters[key] = torch.zeros(max(items, 4096), dtype=torch.int32,
+                                                device=device)
+        if capturing:
+            _zeroed_in_graphs_only.add(key)
+    elif key in _zeroed_in_graphs_only:
+        counters.zero_()
+        if not capturing:
+            _zeroed_in_graphs_only.discard(key)
+    return counters
 
 
 def _token_span(t: torch.Tensor) -> int:
@@ -170,18 +210,29 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                 key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
                 block_table: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, scale_log2: float, splits: int, heads: int,
-                part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF) -> None:
+                part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
+                ctas: int = 0, counters: torch.Tensor | None = None) -> None:
     """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
     else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
     writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, one of
     HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of
-    PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only)."""
+    PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced
+    grid of that many CTAs instead (balanced_ctas; ``splits`` unused), which merges its own
+    pieces:
+    ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and ``counters``
+    comes from balanced_counters."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     if heads not in HEADS_PER_CTA or num_kv_heads % heads:
         raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
                          f"and divide the {num_kv_heads} KV heads")
+    if ctas and (batch > BALANCED_MAX_BATCH or counters is None
+                 or counters.numel() < batch * num_kv_heads // heads
+                 or ctas % (num_kv_heads // heads)):
+        raise ValueError(f"the balanced grid takes at most {BALANCED_MAX_BATCH} sequences "
+                         f"(got {batch}), a counter per sequence and head group, and CTAs "
+                         f"in a multiple of the head groups (got {ctas})")
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
     sizes = (_I64 * 7)(num_tokens, num_q_heads, num_q_heads // num_kv_heads, num_blocks,
                        max_blocks, page, shift)
@@ -203,7 +254,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
         sum(1 << i for i, t in enumerate((block_table, seq_lens, query_start_loc))
             if t.dtype == torch.int64),
         pdl, head_dim, heads,
-        batch, num_kv_heads, splits,
+        batch, num_kv_heads, splits, ctas, counters.data_ptr() if ctas else None,
         *((t if t is not None else out).data_ptr() for t in tensors),
         scale_log2, sizes, strides)
     if err:
