@@ -940,7 +940,9 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     // more CTAs than steps some have none); c_lo's is its slot 1 where the item starts after
     // its share does. Each thread merges 4 dims of a row, kBatch pieces' loads in flight at
     // once, with a running max.
-    const auto piece_start = [&](int64_t c) { return c * s_steps / ctas; };  // share_start
+    // share_start and its inverse, from the steps in shared memory (no register held them
+    // through the span)
+    const auto piece_start = [&](int64_t c) { return c * s_steps / ctas; };
     const auto owner = [&](int64_t step) { return ((step + 1) * ctas - 1) / s_steps; };
     const int64_t c_lo = owner(p.base), c_hi = owner(p.base + p.n - 1);
     constexpr int kBatch = 4;
