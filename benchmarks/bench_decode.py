@@ -587,6 +587,12 @@ def sweep_targets(bw: float) -> None:
         min(best_contiguous(case, reps).values()), reps))
 
 
+def _balanced_us(case: Case, kind: str, config: pf_cuda.LaunchConfig, reps: dict) -> float:
+    """bench() of the CUDA C++ decode's balanced grid with ``config``'s heads per CTA."""
+    return bench(lambda: _pf_call(case, kind, config=config, splits=pf_cuda.BALANCED,
+                                  native=True), reps)
+
+
 def sweep_balanced(bw: float) -> None:
     """The balanced grid against each cache format's default path, by KV heads per CTA, at
     the target points, B=8 L=8192 and B=64 L=1536, as ratios to contiguous SDPA."""
@@ -601,8 +607,7 @@ def sweep_balanced(bw: float) -> None:
             cells = [f"default {us:.1f} ({us / contig_us:.3f}x)"]
             for heads in (h for h in pf_cuda.cuda_native.HEADS_PER_CTA if hkv % h == 0):
                 config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, batch, device, heads)
-                us = bench(lambda c=config, k=kind: _pf_call(
-                    case, k, config=c, splits=pf_cuda.BALANCED, native=True), reps)
+                us = _balanced_us(case, kind, config, reps)
                 cells.append(f"balanced/{heads} {us:.1f} ({us / contig_us:.3f}x)")
             print(f"balanced {gname} B={batch} L={case.length} {kind}: {', '.join(cells)}; "
                   f"contiguous SDPA {contig_us:.1f}", flush=True)
@@ -625,9 +630,7 @@ def sweep_skew(bw: float) -> None:
         for kind in TARGET_RATIOS:
             floor_us = present * case.bytes(kind) / bw * 1e6
             split = bench(lambda k=kind: _pf_call(case, k), reps)
-            config, _ = default_launch(case, kind)
-            balanced = bench(lambda c=config, k=kind: _pf_call(
-                case, k, config=c, splits=pf_cuda.BALANCED, native=True), reps)
+            balanced = _balanced_us(case, kind, default_launch(case, kind)[0], reps)
             cells.append(f"{kind} default {split:.1f} ({100 * floor_us / split:.0f}%) / "
                          f"balanced {balanced:.1f} ({100 * floor_us / balanced:.0f}%)")
         print(f"skew {gname} B={case.batch} L={case.length}: {'; '.join(cells)}", flush=True)
@@ -722,23 +725,10 @@ def sweep(bw: float, what: str) -> None:
         kinds = what.partition(":")[2]
         sweep_native(bw, tuple(kinds.split(",")) if kinds else tuple(NATIVE_KIND))
         return
-    if what == "locality":
-        sweep_locality(bw)
-        return
-    if what == "targets":
-        sweep_targets(bw)
-        return
-    if what == "balanced":
-        sweep_balanced(bw)
-        return
-    if what == "skew":
-        sweep_skew(bw)
-        return
-    if what == "host":
-        host_overhead()
-        return
-    if what == "overhead":
-        sweep_overhead(bw)
+    named = {"locality": sweep_locality, "targets": sweep_targets, "balanced": sweep_balanced,
+             "skew": sweep_skew, "host": lambda _: host_overhead(), "overhead": sweep_overhead}
+    if what in named:
+        named[what](bw)
         return
     reps = dict(warmup=5, rep=20)
     batch, length = 64, 8192  # the point of the issue's KV >= 1 GB targets

@@ -400,14 +400,20 @@ def test_native_decode_is_built_and_chosen():
         run_kernel(make_case(batch=2, q_lens=[2, 1], kv_int8="kv"), native=True)
 
 
+def _record_launches(monkeypatch, what) -> list:
+    """Calls of cuda_native.decode_into from here on, each recorded as what(kwargs)."""
+    launches = []
+    launch = cuda_native.decode_into
+    monkeypatch.setattr(cuda_native, "decode_into",
+                        lambda *args, **kw: launches.append(what(kw)) or launch(*args, **kw))
+    return launches
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_default_path_takes_the_native_decode(kind, d, monkeypatch):
     """A q_len 1 call with no choice made takes the CUDA C++ decode, once, and is right."""
-    launches = []
-    launch = cuda_native.decode_into
-    monkeypatch.setattr(cuda_native, "decode_into",
-                        lambda *args, **kw: launches.append(1) or launch(*args, **kw))
+    launches = _record_launches(monkeypatch, lambda kw: 1)
     case = make_case(batch=2, hq=8, hkv=2, d=d, kv_int8=KINDS[kind])
     out = run_kernel(case, max_query_len=1)
     assert len(launches) == 1
@@ -424,10 +430,7 @@ def test_dependent_launch_changes_no_bit(kind, splits, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    launches = []
-    launch = cuda_native.decode_into
-    monkeypatch.setattr(cuda_native, "decode_into",
-                        lambda *args, **kw: launches.append(kw["pdl"]) or launch(*args, **kw))
+    launches = _record_launches(monkeypatch, lambda kw: kw["pdl"])
     case = make_case(batch=4, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 1500],
                      kv_int8=KINDS[kind])
     for _ in range(20):
@@ -495,10 +498,7 @@ def test_balanced_grid_replays_in_a_cuda_graph():
 def test_pagedfuse_balanced_makes_the_default_path_take_the_balanced_grid(monkeypatch):
     from pagedfuse.ops import cuda
 
-    grids = []
-    launch = cuda_native.decode_into
-    monkeypatch.setattr(cuda_native, "decode_into",
-                        lambda *args, **kw: grids.append(kw["ctas"]) or launch(*args, **kw))
+    grids = _record_launches(monkeypatch, lambda kw: kw["ctas"])
     case = make_case(batch=5, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 16, 1500],
                      kv_int8="kv")
     split = run_kernel(case, max_query_len=1)

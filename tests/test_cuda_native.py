@@ -105,18 +105,20 @@ def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
                                 table[:, 0], table[:, 0], 1.0, 1, heads, query, query)
 
 
-@pytest.mark.parametrize(("batch", "counters", "ctas"), [
-    (cuda_native.BALANCED_MAX_BATCH + 1, 10**5, 132),  # more sequences than its scan takes
-    (3, None, 132),  # no counters
-    (3, 2, 132),  # fewer counters than (sequence, head group) pairs: 3 x 2
-    (3, 10**5, 131),  # not a multiple of the 2 head groups
+@pytest.mark.parametrize(("batch", "counters", "ctas", "error"), [
+    # more sequences than its scan takes
+    (cuda_native.BALANCED_MAX_BATCH + 1, 10**5, 132,
+     "block_table has 2049 sequences: the balanced grid takes at most 2048"),
+    (3, None, 132, r"counters must hold one count per sequence and head group \(6;"),
+    (3, 2, 132, r"counters must hold one count per sequence and head group \(6;"),
+    (3, 10**5, 131, "ctas=131 must be a multiple of the 2 head groups"),
 ])
-def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas):
+def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas, error):
     """Checked before the library is asked, so on any machine."""
     query, cache, _, scale, _, _, _ = _args()
     table = torch.zeros(batch, 5, dtype=torch.int32)
     counts = None if counters is None else torch.zeros(counters, dtype=torch.int32)
-    with pytest.raises(ValueError, match="the balanced grid takes at most 2048 sequences"):
+    with pytest.raises(ValueError, match=error):
         cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
                                 table[:, 0], table[:, 0], 1.0, 0, 1, query, query,
                                 ctas=ctas, counters=counts)

@@ -872,8 +872,10 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     before += w < warp ? s_warp_steps[w] : 0;
     steps += s_warp_steps[w];
   }
-  const auto share_start = [&](int64_t c) { return c * steps / ctas; };
-  const int64_t lo = share_start(cta), hi = share_start(cta + 1);
+  // Where CTA c's share of `total` steps starts (the merge passes the total from shared
+  // memory, so no register holds it through the spans).
+  const auto share_start = [ctas](int64_t c, int64_t total) { return c * total / ctas; };
+  const int64_t lo = share_start(cta, steps), hi = share_start(cta + 1, steps);
   if (lo < hi && before <= lo && lo < before + mine) {
     int64_t at = before;
 #pragma unroll
@@ -940,9 +942,6 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     // more CTAs than steps some have none); c_lo's is its slot 1 where the item starts after
     // its share does. Each thread merges 4 dims of a row, kBatch pieces' loads in flight at
     // once, with a running max.
-    // share_start and its inverse, from the steps in shared memory (no register held them
-    // through the span)
-    const auto piece_start = [&](int64_t c) { return c * s_steps / ctas; };
     const auto owner = [&](int64_t step) { return ((step + 1) * ctas - 1) / s_steps; };
     const int64_t c_lo = owner(p.base), c_hi = owner(p.base + p.n - 1);
     constexpr int kBatch = 4;
@@ -957,9 +956,10 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
         for (int j = 0; j < kBatch; ++j) {
           const int64_t c = c0 + j;
           lse[j] = -INFINITY, o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (c <= c_hi && piece_start(c) < piece_start(c + 1)) {
+          if (c <= c_hi && share_start(c, s_steps) < share_start(c + 1, s_steps)) {
             const int64_t at = (2 * (c * groups + hg) +
-                                (c == c_lo && piece_start(c) < p.base ? 1 : 0)) * rows + r;
+                                (c == c_lo && share_start(c, s_steps) < p.base ? 1 : 0)) *
+                                   rows + r;
             lse[j] = __ldcg(a.part_lse + at);
             o[j] = load_l2(a.part_o + at * D + d);
           }

@@ -236,7 +236,6 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
     if direct:
         part_o = part_lse = out
     else:  # one allocation: the partial rows, then their log-sum-exps
-        rows = splits * num_tokens * num_q_heads
         if splits == BALANCED:  # two pieces per CTA of its heads' query rows
             ctas = cuda_native.balanced_ctas(
                 cuda_native.decode_variant(query.device, kind, head_dim),
@@ -244,6 +243,8 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
             rows = 2 * ctas * heads * plan.group
             counters = cuda_native.balanced_counters(query.device,
                                                      batch * num_kv_heads // heads)
+        else:
+            rows = splits * num_tokens * num_q_heads
         parts = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=query.device)
         part_o, part_lse = parts[: rows * head_dim], parts[rows * head_dim:]
     if native:

@@ -218,21 +218,24 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
     HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of
     PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced
     grid of that many CTAs instead (balanced_ctas; ``splits`` unused), which merges its own
-    pieces:
-    ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and ``counters``
-    comes from balanced_counters."""
+    pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
+    ``counters`` comes from balanced_counters."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = key_cache.shape
     batch, max_blocks = block_table.shape
     if heads not in HEADS_PER_CTA or num_kv_heads % heads:
         raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
                          f"and divide the {num_kv_heads} KV heads")
-    if ctas and (batch > BALANCED_MAX_BATCH or counters is None
-                 or counters.numel() < batch * num_kv_heads // heads
-                 or ctas % (num_kv_heads // heads)):
-        raise ValueError(f"the balanced grid takes at most {BALANCED_MAX_BATCH} sequences "
-                         f"(got {batch}), a counter per sequence and head group, and CTAs "
-                         f"in a multiple of the head groups (got {ctas})")
+    if ctas:
+        groups = num_kv_heads // heads
+        if batch > BALANCED_MAX_BATCH:
+            raise ValueError(f"block_table has {batch} sequences: the balanced grid takes at "
+                             f"most {BALANCED_MAX_BATCH}")
+        if counters is None or counters.numel() < batch * groups:
+            raise ValueError(f"counters must hold one count per sequence and head group "
+                             f"({batch * groups}; balanced_counters)")
+        if ctas % groups:
+            raise ValueError(f"ctas={ctas} must be a multiple of the {groups} head groups")
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
     sizes = (_I64 * 7)(num_tokens, num_q_heads, num_q_heads // num_kv_heads, num_blocks,
                        max_blocks, page, shift)
