@@ -265,7 +265,7 @@ def test_int8_matches_reference(name, native):
 # head_dim, GQA 1/4/5/6/8, pages 1/16/256, NHD and HND, int32/int64 indices (mixed too),
 # bf16/fp16, B 1 to 64, lengths off the page and the warp tiles, split counts that leave
 # some splits and warps without keys, and the balanced grid (splits 0: on these small cases
-# most items are cut into pieces across many CTAs, and many CTAs have no keys at all).
+# the split rule gives it many CTAs per sequence, so most items are cut into pieces).
 NATIVE_CASES = {
     "d128-gqa4-b8": dict(batch=8, hq=32, hkv=8, d=128),
     "d64-gqa8-page1": dict(batch=4, hq=32, hkv=4, d=64, page=1),
@@ -493,6 +493,37 @@ def test_balanced_grid_replays_in_a_cuda_graph():
         assert torch.equal(call(), captured)
         torch.cuda.synchronize()
         assert not _balanced_counts().any()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_balanced_grid_with_more_ctas_than_steps(monkeypatch, kind):
+    """600 CTAs per head group for 23-84 key steps: most CTAs have no share, and sequence
+    0's item is cut into a piece per CTA that one CTA merges."""
+    from pagedfuse.ops import cuda
+
+    monkeypatch.setattr(cuda, "balanced_ctas", lambda config, *_: 600 * 8 // config.heads)
+    case = make_case(batch=5, hq=32, hkv=8, d=128, seq_lens=[3000, 10, 700, 16, 1500],
+                     kv_int8=KINDS[kind])
+    out = run_kernel(case, max_query_len=1, splits=0, native=True)
+    assert rel_err(out, reference(case)) < _native_tol(case)
+    assert not _balanced_counts().any()
+
+
+@pytest.mark.parametrize(("batch", "balanced_resident", "ctas"), [
+    (64, 1, 128),  # one CTA per (sequence, head group): each share is one whole item
+    (8, 1, 128),   # 8 splits per item fill the 132 SMs' one wave
+    (8, 2, 256),   # the same at two CTAs per SM
+    (512, 1, 1024),  # more items than slots: one CTA each, over several waves
+])
+def test_balanced_grid_takes_the_split_grids_cta_count(batch, balanced_resident, ctas):
+    """With equal lengths each CTA's share is then one split's chunk (llama3_8b's INT8 K+V
+    variant: 8 KV heads, 4 per CTA, 64 keys per CTA step)."""
+    from pagedfuse.ops import cuda
+
+    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=4,
+                                  balanced_resident=balanced_resident)
+    config = cuda.LaunchConfig(64, 8, 1, resident=4, heads=4)
+    assert cuda.balanced_ctas(config, variant, batch, 8, 128, 8192, 132) == ctas
 
 
 def test_pagedfuse_balanced_makes_the_default_path_take_the_balanced_grid(monkeypatch):

@@ -122,9 +122,3 @@ def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ct
         cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
                                 table[:, 0], table[:, 0], 1.0, 0, 1, query, query,
                                 ctas=ctas, counters=counts)
-
-
-@pytest.mark.parametrize(("groups", "ctas"), [(1, 264), (2, 264), (8, 264), (5, 260)])
-def test_the_balanced_grid_is_one_resident_wave_of_whole_head_groups(groups, ctas):
-    variant = cuda_native.Variant(resident=1, warps=8, tile=32, heads=4, balanced_resident=2)
-    assert cuda_native.balanced_ctas(variant, sm_count=132, head_groups=groups) == ctas

@@ -802,8 +802,9 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
   return __ldcg(reinterpret_cast<const float4*>(p));
 }
 
-// The balanced grid: as many CTAs as fit at once (a multiple of the head groups), CTA c
-// serving head group c % groups, each with an equal share of all the launch's key steps
+// The balanced grid: as many CTAs as the split grid would launch (cuda.balanced_ctas; a
+// multiple of the head groups), CTA c serving head group c % groups, each with an equal
+// share of all the launch's key steps
 // (cta_tokens keys of one sequence), in (sequence, keys) order: CTAs c and c + 1 stream the
 // same token rows of neighbouring heads at the same time, as the split grid's heads-first
 // order does (on the H200 a (sequence, head group, keys) order was 20% slower at B=64). A
@@ -811,9 +812,10 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
 // straight to the output, and at most two pieces of items shared with the CTAs before and
 // after it, written to its two partial slots. The CTA whose piece completes an item's
 // steps (an atomic count per item, which it resets to 0 for the next launch) merges the
-// pieces in CTA order, so the result does not depend on which CTA that is. Every SM stays
-// busy to the end and no combine kernel runs, where the split grid leaves SMs idle once
-// its CTAs do not divide into whole waves.
+// pieces in CTA order, so the result does not depend on which CTA that is. With equal
+// lengths the shares are the split grid's chunks; with unequal ones a long sequence is
+// spread over many CTAs, where the split grid gives it as many as a short one; and no
+// combine kernel runs.
 template <int D, int KIND, int H, typename E>
 __device__ __forceinline__ void balanced_grid(const Args& a) {
   using T = Traits<KIND, D>;
@@ -941,28 +943,36 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     // The item's pieces: those of the head group's CTAs c_lo .. c_hi that have a share (with
     // more CTAs than steps some have none); c_lo's is its slot 1 where the item starts after
     // its share does. Each thread merges 4 dims of a row, kBatch pieces' loads in flight at
-    // once, with a running max.
+    // once, with a running max. The shares' starts are stepped along the CTAs (start(c) =
+    // c q + (c rem) / ctas), as a 64-bit division per piece and thread made the merge of
+    // many pieces slow.
     const auto owner = [&](int64_t step) { return ((step + 1) * ctas - 1) / s_steps; };
     const int64_t c_lo = owner(p.base), c_hi = owner(p.base + p.n - 1);
+    const int64_t q = s_steps / ctas, rem = s_steps % ctas;
+    const int64_t start_lo = share_start(c_lo, s_steps), frac_lo = c_lo * rem % ctas;
     constexpr int kBatch = 4;
     for (int idx = threadIdx.x; idx < rows * D / 4; idx += kThreads) {
       const int r = idx / (D / 4), d = idx % (D / 4) * 4;
       float m = -INFINITY, l = 0.f;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      int64_t start = start_lo, frac = frac_lo;  // CTA c's share start, (c rem) % ctas
       for (int64_t c0 = c_lo; c0 <= c_hi; c0 += kBatch) {
         float lse[kBatch];
         float4 o[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int64_t c = c0 + j;
+          frac += rem;
+          const int64_t next = start + q + (frac >= ctas ? 1 : 0);
+          frac -= frac >= ctas ? ctas : 0;
           lse[j] = -INFINITY, o[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (c <= c_hi && share_start(c, s_steps) < share_start(c + 1, s_steps)) {
-            const int64_t at = (2 * (c * groups + hg) +
-                                (c == c_lo && share_start(c, s_steps) < p.base ? 1 : 0)) *
-                                   rows + r;
+          if (c <= c_hi && start < next) {
+            const int64_t at =
+                (2 * (c * groups + hg) + (c == c_lo && start < p.base ? 1 : 0)) * rows + r;
             lse[j] = __ldcg(a.part_lse + at);
             o[j] = load_l2(a.part_o + at * D + d);
           }
+          start = next;
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {

@@ -152,6 +152,18 @@ def wave_splits(programs: int, slots: int, max_splits: int = 8, pow2: bool = Tru
                 max(range(1, max_splits + 1), key=fill))
 
 
+def balanced_ctas(config: LaunchConfig, variant: cuda_native.Variant, batch: int,
+                  num_kv_heads: int, head_dim: int, context: int, sm_count: int) -> int:
+    """CTAs of the balanced grid: the split grid's count at the balanced kernel's occupancy,
+    one per sequence and group of ``config.heads`` KV heads times num_kv_splits. Then with
+    equal lengths each CTA's share is one split's chunk, as in the split grid; one CTA per
+    resident slot instead, with shares that start mid-sequence, was 1-7% slower on the H200
+    (benchmarks/RESULTS.md, call 67)."""
+    balanced = config._replace(resident=variant.balanced_resident * config.heads)
+    splits = num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, balanced)
+    return num_kv_heads // config.heads * max(batch, 1) * splits
+
+
 def _bias_args(attn_bias: torch.Tensor | None, unused: torch.Tensor):
     """(tensor, 4-D strides with 0 on broadcast dims, rows, cols, is_bool); without a bias
     the pointer slot gets ``unused`` (never read), so no allocation per call."""
@@ -237,9 +249,9 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         part_o = part_lse = out
     else:  # one allocation: the partial rows, then their log-sum-exps
         if splits == BALANCED:  # two pieces per CTA of its heads' query rows
-            ctas = cuda_native.balanced_ctas(
-                cuda_native.decode_variant(query.device, kind, head_dim),
-                _sm_count(query.device), num_kv_heads // heads)
+            ctas = balanced_ctas(
+                plan.config, cuda_native.decode_variant(query.device, kind, head_dim),
+                batch, num_kv_heads, head_dim, context, _sm_count(query.device))
             rows = 2 * ctas * heads * plan.group
             counters = cuda_native.balanced_counters(query.device,
                                                      batch * num_kv_heads // heads)

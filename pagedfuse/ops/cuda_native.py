@@ -85,7 +85,7 @@ class Variant(NamedTuple):
     """A built (kind, head_dim) decode kernel on one device: its CTAs per multiprocessor
     (registers and shared memory), warps per CTA, tokens per warp tile, the most KV heads
     per CTA the op gives it (the kernel's Traits; 1, 2 and 4 are built), and CTAs per
-    multiprocessor of its balanced-grid kernel (the size of that grid per SM)."""
+    multiprocessor of its balanced-grid kernel (what sizes that grid: cuda.balanced_ctas)."""
 
     resident: int
     warps: int
@@ -122,12 +122,6 @@ def cta_tokens(variant: Variant, heads: int) -> int:
     """Keys a CTA steps over per head at a time (each head's warps' tiles): split chunks
     are multiples of it."""
     return variant.warps // heads * variant.tile
-
-
-def balanced_ctas(variant: Variant, sm_count: int, head_groups: int) -> int:
-    """CTAs of the balanced grid: as many as run at once, the same number for each of the
-    ``head_groups`` groups of KV heads a CTA serves."""
-    return variant.balanced_resident * sm_count // head_groups * head_groups
 
 
 # The balanced grid's arrival counts (one per sequence and head group), per (device,
@@ -217,7 +211,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
     writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, one of
     HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of
     PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced
-    grid of that many CTAs instead (balanced_ctas; ``splits`` unused), which merges its own
+    grid of that many CTAs instead (cuda.balanced_ctas; ``splits`` unused), which merges its own
     pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
     ``counters`` comes from balanced_counters."""
     num_tokens, num_q_heads, head_dim = q.shape
