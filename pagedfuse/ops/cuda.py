@@ -31,9 +31,10 @@ MIN_TILES_PER_SPLIT = 16  # ... and the fill splits pay off once each keeps this
 PDL = os.environ.get("PAGEDFUSE_PDL", "1") != "0"
 BALANCED = 0  # the split count that means the CUDA C++ decode's balanced grid
 # PAGEDFUSE_BALANCED=1: the CUDA C++ decode takes its balanced grid rather than fixed splits.
-# On the H200 1.2-7x faster on a batch of one long sequence among short ones (not at
-# tinyllama B=8), 1-7% slower on equal lengths (benchmarks/RESULTS.md, calls 62-63); the
-# lengths are on the device, so the op cannot choose per call.
+# On the H200 1.4-8x faster on a batch of one long sequence among short ones (not with
+# tinyllama's INT8 caches at B=8), 1.2-2.5% slower on equal lengths at B=64 and up to 23% at
+# B=8 (benchmarks/RESULTS.md, call 69); the lengths are on the device, so the op cannot
+# choose per call.
 BALANCED_GRID = os.environ.get("PAGEDFUSE_BALANCED", "0") == "1"
 
 
