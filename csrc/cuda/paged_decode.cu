@@ -439,7 +439,12 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   using KAt = typename Buf::KAt;
   using VAt = typename Buf::VAt;
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  // 128-byte aligned: a staged 128-byte row of K or V then lies in one 128-byte line of
+  // shared memory. Behind the balanced grid's static variables the region began 64 or 96
+  // bytes past a line (16-byte alignment); on the H200 67% of that kernel's L2 lookups then
+  // hit instead of 1%, with the same DRAM bytes (its copies reaching L2 as partial lines, it
+  // seems), and it streamed up to 1.6% slower (benchmarks/NOTES-gpu.md, calls 68-70).
+  extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
   // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes (512 for 16-bit V
   // at head_dim 64). A thread writes one word per head (two at head_dim 64, 16-bit V).
@@ -821,8 +826,8 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
   using T = Traits<KIND, D>;
   constexpr int kWarps = T::warps, kThreads = kWarps * 32;
   constexpr int cta_tokens = kWarps / H * T::tile;
-  constexpr int kPer = kBalancedMaxBatch / kThreads;  // sequences per thread in the scan
-  static_assert(kBalancedMaxBatch % kThreads == 0, "whole runs of sequences per thread");
+  constexpr int kRounds = kBalancedMaxBatch / kThreads;  // sequences per thread in the scan
+  static_assert(kBalancedMaxBatch % kThreads == 0, "whole rounds of sequences");
   static_assert(D % 4 == 0, "the merge reads 4 dims at a time");
   __shared__ int64_t s_warp_steps[kWarps];
   __shared__ int64_t s_base;  // the first step of sequence s_seq, where the share starts
@@ -851,39 +856,44 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
   const auto steps_of = [](const Seq& s) -> int64_t {
     return s.q_end == s.q_start ? 0 : s.len == 0 ? 1 : (s.len + cta_tokens - 1) / cta_tokens;
   };
-  // An exclusive scan of the sequences' steps, kPer sequences per thread, to find where this
-  // CTA's share starts.
-  const int seq0 = threadIdx.x * kPer;
-  int64_t n_of[kPer], mine = 0;
+  // An exclusive scan of the sequences' steps to find where this CTA's share starts: sequence
+  // j kThreads + t is thread t's in round j, all rounds' lengths loaded at once, then one
+  // block scan per round the batch reaches (a batch of up to kThreads takes one load per
+  // thread, where runs of kRounds sequences per thread left a few threads loading them all).
+  int64_t n_of[kRounds], before_of[kRounds], steps = 0;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    n_of[j] = seq0 + j < a.batch ? steps_of(sequence(a, seq0 + j)) : 0;
-    mine += n_of[j];
+  for (int j = 0; j < kRounds; ++j) {
+    const int seq = j * kThreads + threadIdx.x;
+    n_of[j] = seq < a.batch ? steps_of(sequence(a, seq)) : 0;
   }
-  int64_t upto = mine;  // this warp's sequences up to this thread's last
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int64_t x = __shfl_up_sync(0xffffffffu, upto, o);
-    if (lane >= o) upto += x;
-  }
-  if (lane == 31) s_warp_steps[warp] = upto;
-  __syncthreads();
-  int64_t before = upto - mine, steps = 0;
+  for (int j = 0; j < kRounds; ++j) {
+    before_of[j] = steps;
+    if (j * kThreads >= a.batch) continue;  // the same for every thread: no barrier skipped
+    int64_t upto = n_of[j];  // this warp's sequences of the round up to this thread's
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    before += w < warp ? s_warp_steps[w] : 0;
-    steps += s_warp_steps[w];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t x = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= o) upto += x;
+    }
+    if (lane == 31) s_warp_steps[warp] = upto;
+    __syncthreads();
+    before_of[j] += upto - n_of[j];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      before_of[j] += w < warp ? s_warp_steps[w] : 0;
+      steps += s_warp_steps[w];
+    }
+    __syncthreads();  // the next round rewrites s_warp_steps
   }
   // Where CTA c's share of `total` steps starts (the merge passes the total from shared
   // memory, so no register holds it through the spans).
   const auto share_start = [ctas](int64_t c, int64_t total) { return c * total / ctas; };
   const int64_t lo = share_start(cta, steps), hi = share_start(cta + 1, steps);
-  if (lo < hi && before <= lo && lo < before + mine) {
-    int64_t at = before;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {  // the sequence of step lo, among this thread's
-      if (at <= lo && lo < at + n_of[j]) s_seq = seq0 + j, s_base = at;
-      at += n_of[j];
+  for (int j = 0; j < kRounds; ++j) {  // the sequence of step lo
+    if (before_of[j] <= lo && lo < before_of[j] + n_of[j]) {
+      s_seq = j * kThreads + threadIdx.x, s_base = before_of[j];
     }
   }
   if (threadIdx.x == 0) s_steps = steps, s_lo = lo, s_hi = hi;
