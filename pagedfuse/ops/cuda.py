@@ -32,9 +32,9 @@ PDL = os.environ.get("PAGEDFUSE_PDL", "1") != "0"
 BALANCED = 0  # the split count that means the CUDA C++ decode's balanced grid
 # PAGEDFUSE_BALANCED=1: the CUDA C++ decode takes its balanced grid rather than fixed splits.
 # On the H200 1.4-8x faster on a batch of one long sequence among short ones (not with
-# tinyllama's INT8 caches at B=8), 1.2-2.5% slower on equal lengths at B=64 and up to 23% at
-# B=8 (benchmarks/RESULTS.md, call 69); the lengths are on the device, so the op cannot
-# choose per call.
+# tinyllama's INT8 caches at B=8), up to 1.4% slower on equal lengths at B=64 with KV >= 1 GB
+# and up to 24% at B=8 (benchmarks/RESULTS.md, call 72); the lengths are on the device, so
+# the op cannot choose per call.
 BALANCED_GRID = os.environ.get("PAGEDFUSE_BALANCED", "0") == "1"
 
 
@@ -158,8 +158,8 @@ def balanced_ctas(config: LaunchConfig, variant: cuda_native.Variant, batch: int
     """CTAs of the balanced grid: the split grid's count at the balanced kernel's occupancy,
     one per sequence and group of ``config.heads`` KV heads times num_kv_splits. Then with
     equal lengths each CTA's share is one split's chunk, as in the split grid; one CTA per
-    resident slot instead, with shares that start mid-sequence, was 1-7% slower on the H200
-    (benchmarks/RESULTS.md, call 67)."""
+    resident slot instead, with shares that start mid-sequence, was slower on the H200 at 17
+    of 21 points, by up to 3.9% (benchmarks/RESULTS.md, call 73)."""
     balanced = config._replace(resident=variant.balanced_resident * config.heads)
     splits = num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, balanced)
     return num_kv_heads // config.heads * max(batch, 1) * splits
