@@ -153,13 +153,15 @@ def wave_splits(programs: int, slots: int, max_splits: int = 8, pow2: bool = Tru
                 max(range(1, max_splits + 1), key=fill))
 
 
+@functools.lru_cache(maxsize=1024)
 def balanced_ctas(config: LaunchConfig, variant: cuda_native.Variant, batch: int,
                   num_kv_heads: int, head_dim: int, context: int, sm_count: int) -> int:
     """CTAs of the balanced grid: the split grid's count at the balanced kernel's occupancy,
     one per sequence and group of ``config.heads`` KV heads times num_kv_splits. Then with
     equal lengths each CTA's share is one split's chunk, as in the split grid; one CTA per
     resident slot instead, with shares that start mid-sequence, was slower on the H200 at 17
-    of 21 points, by up to 3.9% (benchmarks/RESULTS.md, call 73)."""
+    of 21 points, by up to 3.9% (benchmarks/RESULTS.md, call 73). Cached per geometry like
+    launch_plan, since every eager call of the balanced grid asks for it."""
     balanced = config._replace(resident=variant.balanced_resident * config.heads)
     splits = num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, balanced)
     return num_kv_heads // config.heads * max(batch, 1) * splits
