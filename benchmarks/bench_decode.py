@@ -8,8 +8,8 @@ flash: the proxy for the physical limit), FlexAttention paged over the same cach
 (flex_paged.py), naive INT8 dequant + SDPA under inductor, and pagedfuse grouped bf16, INT8
 K+V and INT8 K + bf16 V, each by the op's default path (the CUDA C++ decode where built)
 and by the Triton kernel. Times are medians (triton.testing.do_bench, L2 flushed between
-calls); B=1 is also timed under CUDA graph replay. "floor" = bytes that must be read / the
-copy bandwidth measured in the same run.
+calls by zeroing 256 MB; --flush read: by reading it); B=1 is also timed under CUDA graph
+replay. "floor" = bytes that must be read / the copy bandwidth measured in the same run.
 
     python benchmarks/bench_decode.py --out results.md --plot decode_bandwidth.png
     python benchmarks/bench_decode.py --sweep native   # tuning: native, tiles, splits, locality,
@@ -28,6 +28,7 @@ import functools
 import math
 import platform
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -54,6 +55,7 @@ BATCHES = (1, 8, 64)
 LENGTHS = (1536, 8192, 32768)
 PAGE = 16
 LAYOUT = "nhd"  # the caches' storage order for every Case (--layout)
+FLUSH = "zero"  # how bench() clears the L2 before each timed replay (--flush)
 MEMORY_LIMIT = 60e9
 OPS = torch.ops.pagedfuse
 
@@ -228,11 +230,28 @@ def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float
     return start.elapsed_time(end) * 1e3
 
 
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+
 def bench(fn: Callable, reps: dict) -> float:
     """Median µs of GPU time: one call captured in a CUDA graph and replayed with the L2
-    flushed before each replay, so the Python host overhead of the call is left out."""
+    flushed before each replay, so the Python host overhead of the call is left out.
+
+    FLUSH "zero" is do_bench's flush: zeroing 256 MB, which leaves the L2 full of dirty lines
+    that the timed call's reads must write back. FLUSH "read" reads 256 MB instead, leaving
+    clean lines, as a decode step's weight GEMMs do before attention."""
     graph = captured(fn)
-    us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median", **reps)
+    if FLUSH == "zero":
+        us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median", **reps)
+    else:
+        buf = _flush_buffer()
+        flush = functools.partial(torch.amax, buf)
+        for _ in range(3):
+            once = replay_us(graph, flush)
+        count = max(10, int(reps["rep"] * 1e3 / once))
+        us = statistics.median(replay_us(graph, flush) for _ in range(count))
     del graph
     return us
 
@@ -914,7 +933,7 @@ def _native_path(kind: str) -> str:
 
 
 def main() -> None:
-    global LAYOUT
+    global LAYOUT, FLUSH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown section here")
     parser.add_argument("--plot", help="write the bandwidth plot here")
@@ -930,6 +949,10 @@ def main() -> None:
     parser.add_argument("--geos", nargs="+", choices=list(GEOMETRIES),
                         help="only these geometries, in the table or a sweep")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument("--flush", choices=("zero", "read"), default=FLUSH,
+                        help="clear the L2 before each timed replay by zeroing 256 MB "
+                        "(do_bench's; dirty lines) or by reading 256 MB (clean lines, as "
+                        "after a decode step's weight GEMMs)")
     parser.add_argument("--layout", choices=("nhd", "hnd"), default=LAYOUT,
                         help="the caches' storage order: [blocks, page, Hkv, D] (NHD, vLLM's "
                         "flash layout) or [blocks, Hkv, page, D] (HND, FlashInfer's)")
@@ -943,7 +966,7 @@ def main() -> None:
             parser.error("--replot needs --plot")
         replot(args.replot, args.section, args.plot)
         return
-    LAYOUT = args.layout
+    LAYOUT, FLUSH = args.layout, args.flush
     for name in set(GEOMETRIES) - set(args.geos or GEOMETRIES):
         del GEOMETRIES[name]
     torch.manual_seed(0)
