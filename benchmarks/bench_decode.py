@@ -220,7 +220,7 @@ def captured(fn: Callable) -> torch.cuda.CUDAGraph:
 
 def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float:
     """µs from an event before to an event after one replay of ``graph``, ``flush`` run
-    first (the scripts that time replays by hand rather than through do_bench)."""
+    first (bench's read flush, and the scripts that time replays by hand)."""
     flush()
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     start.record()
