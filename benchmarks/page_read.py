@@ -1,16 +1,18 @@
-"""How fast can any kernel read the paged cache? The bound under bf16's 1.0x target.
+"""How fast can any kernel read the paged cache? The bound under the decode targets.
 
-A Triton kernel that does nothing but read: one program per (sequence, KV head) walks the
-sequence's pages through the block table and sums its K and V rows (one float out per
-program). Its best time over a few warp and pipeline settings is timed (bench_decode's
-bench: a CUDA graph replay after the L2 flush) on the same bytes laid out four ways: the
-contiguous [B, Hkv, L, D] K/V that contiguous SDPA reads (as 16-token pages in order), the
-table's random 16-token pages (NHD), the same pages in order, and random pages in HND.
-Next to them: contiguous SDPA (the best of cuDNN and flash) and pagedfuse's bf16 decode on
-the random NHD pages. If the reader itself is slower on random pages than SDPA on
-contiguous K/V, no paged decode can reach 1.0x there::
+A Triton kernel that does nothing but read: one program per (sequence, KV head, split) walks
+its share of the sequence's pages through the block table and sums its K and V rows (and,
+for INT8 caches, their scales): one float out per program. Its best time over a few warp,
+pipeline and split settings is timed (bench_decode's bench: a CUDA graph replay after the
+L2 flush), for bf16 caches on the same bytes laid out four ways: the contiguous
+[B, Hkv, L, D] K/V that contiguous SDPA reads (as 16-token pages in order), the table's
+random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K+V
+caches on random pages in NHD and HND. Next to them: contiguous bf16 SDPA (the best of cuDNN
+and flash) and pagedfuse's decode of the same cache. Where the reader itself misses a
+target's ratio to SDPA, no paged decode can meet it::
 
-    python benchmarks/page_read.py            # B=64, L=8192 and 32768, all geometries
+    python benchmarks/page_read.py                          # bf16, B=64, L=8192 and 32768
+    python benchmarks/page_read.py --kind int8_kv --batch 8 --lengths 32768 --flush read
 """
 
 from __future__ import annotations
@@ -18,43 +20,70 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+import bench_decode
 import torch
 import triton
 import triton.language as tl
-from bench_decode import GEOMETRIES, Case, _pf_call, bench, best_contiguous, copy_bandwidth
+from bench_decode import (
+    GEOMETRIES,
+    TARGET_RATIOS,
+    Case,
+    _pf_call,
+    bench,
+    best_contiguous,
+    copy_bandwidth,
+)
 
 CONFIGS = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, pipeline stages) tried per layout
 REPS = dict(warmup=5, rep=20)
 
 
 @triton.jit
-def _read_pages(k_ptr, v_ptr, table_ptr, out_ptr, n_pages, s_block, s_token, s_head,
-                s_table, HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+def _read_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, n_pages, splits, chunk,
+                s_block, s_token, s_head, ss_block, ss_token, ss_head, s_table,
+                HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SCALES: tl.constexpr,
                 STAGES: tl.constexpr):
     pid = tl.program_id(0)
-    row, head = pid // HEADS, pid % HEADS
-    offs = tl.arange(0, PAGE)[:, None] * s_token + tl.arange(0, D)[None, :]
+    split, rest = pid % splits, pid // splits
+    row, head = rest // HEADS, rest % HEADS
+    lo = split * chunk
+    hi = tl.minimum(n_pages, lo + chunk)
+    tokens = tl.arange(0, PAGE)
+    offs = tokens[:, None] * s_token + tl.arange(0, D)[None, :]
     acc = tl.zeros([PAGE, D], dtype=tl.float32)
-    for i in tl.range(0, n_pages, num_stages=STAGES):
+    scale_acc = tl.zeros([PAGE], dtype=tl.float32)
+    for i in tl.range(lo, hi, num_stages=STAGES):
         block = tl.load(table_ptr + row * s_table + i).to(tl.int64)
         base = block * s_block + head * s_head
         acc += tl.load(k_ptr + base + offs).to(tl.float32)
         acc += tl.load(v_ptr + base + offs).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(acc))
+        if SCALES:
+            at = block * ss_block + head * ss_head + tokens * ss_token
+            scale_acc += tl.load(ks_ptr + at) + tl.load(vs_ptr + at)
+    tl.store(out_ptr + pid, tl.sum(acc) + tl.sum(scale_acc))
 
 
 def page_reader(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, warps: int,
-                stages: int) -> Callable[[], torch.Tensor]:
+                stages: int, splits: int = 1, ks: torch.Tensor | None = None,
+                vs: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """A call that reads every page ``table`` lists from the [blocks, page, H, D] views k
-    and v (any strides, 16-token pages) for each of their H heads: [rows * H] sums."""
-    blocks, page, heads, d = k.shape
+    and v (any strides, D innermost) for each of their H heads, and with INT8 caches the
+    pages' scales ks, vs ([blocks, page, H] views): [rows * H * splits] sums."""
+    _, page, heads, d = k.shape
     assert k.stride() == v.stride() and k.stride(3) == 1, "K and V laid out alike, D inner"
-    out = torch.empty(table.shape[0] * heads, device=k.device, dtype=torch.float32)
+    assert (ks is None) == (vs is None) and (ks is None or ks.stride() == vs.stride())
+    out = torch.empty(table.shape[0] * heads * splits, device=k.device, dtype=torch.float32)
+    n_pages = table.shape[1]
+    chunk = -(-n_pages // splits)
+    scales = ks is not None
+    ks_, vs_ = (ks, vs) if scales else (k, v)  # placeholders, never read
+    s_scales = ks.stride() if scales else (0, 0, 0)
 
     def call() -> torch.Tensor:
-        _read_pages[(out.numel(),)](k, v, table, out, table.shape[1], k.stride(0), k.stride(1),
-                                    k.stride(2), table.stride(0), HEADS=heads, PAGE=page, D=d,
-                                    STAGES=stages, num_warps=warps)
+        _read_pages[(out.numel(),)](k, v, ks_, vs_, table, out, n_pages, splits, chunk,
+                                    *k.stride()[:3], *s_scales, table.stride(0), HEADS=heads,
+                                    PAGE=page, D=d, SCALES=scales, STAGES=stages,
+                                    num_warps=warps)
         return out
 
     return call
@@ -70,55 +99,78 @@ def contiguous_pages(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return k, v, table.view(rows, per_row)
 
 
-def best_us(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, reference: float) -> float:
-    """The reader's fastest median over CONFIGS, once its sums over all the pages are seen to
-    match ``reference`` (the sum of all of K and V)."""
-    total = float(page_reader(k, v, table, *CONFIGS[0])().double().sum())
+def _total(*xs: torch.Tensor) -> float:
+    return float(sum(x.sum(dtype=torch.float64) for x in xs))
+
+
+def best_us(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, batch: int,
+            ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> float:
+    """The reader's fastest median over CONFIGS (and, at small batches, split counts), once
+    its sums over all the pages are seen to match the sum of all of K, V and the scales."""
+    scales = () if ks is None else (ks, vs)
+    reference = _total(k, v, *scales)
+    total = float(page_reader(k, v, table, *CONFIGS[0], 1, ks, vs)().double().sum())
     if abs(total - reference) > 1e-4 * (abs(reference) + 1e4):
         raise AssertionError(f"the page reader summed {total}, expected {reference}")
-    return min(bench(page_reader(k, v, table, w, s), REPS) for w, s in CONFIGS)
+    splits = (1,) if batch >= 64 else (2, 4, 8, 16)
+    return min(bench(page_reader(k, v, table, w, s, n, ks, vs), REPS)
+               for w, s in CONFIGS for n in splits)
 
 
 LAYOUTS = {"random NHD": dict(hnd=False), "in order NHD": dict(hnd=False, shuffle=False),
            "random HND": dict(hnd=True)}
 
 
-def measure(geo: tuple[int, int, int], batch: int, length: int) -> tuple[dict, int]:
-    """name -> µs of the reader in each layout, contiguous SDPA and pagedfuse's bf16 decode;
-    and the K/V bytes."""
-    times = {}
+def measure(kind: str, geo: tuple[int, int, int], batch: int,
+            length: int) -> dict[str, tuple[float, int]]:
+    """name -> (µs, bytes read) of the reader in each layout, of contiguous bf16 SDPA and of
+    pagedfuse's decode of the cache."""
+    times, nbytes = {}, {}
     for name, kwargs in LAYOUTS.items():
+        if kind != "bf16" and name == "in order NHD":
+            continue
         case = Case(geo, batch, length, **kwargs)
-        reference = float(case.k_contig.sum(dtype=torch.float64)
-                          + case.v_contig.sum(dtype=torch.float64))
         if not times:
-            times["reader, contiguous"] = best_us(*contiguous_pages(case), reference)
             times["contiguous SDPA"] = min(best_contiguous(case, REPS).values())
-            times["pagedfuse bf16, random NHD"] = bench(lambda c=case: _pf_call(c, "bf16"),
-                                                        REPS)
-        times[f"reader, {name}"] = best_us(case.k, case.v, case.table, reference)
-        nbytes = case.bytes("bf16")
+            nbytes["contiguous SDPA"] = case.bytes("bf16")
+            if kind == "bf16":
+                times["reader, contiguous"] = best_us(*contiguous_pages(case), batch)
+        if kind == "bf16":
+            times[f"reader, {name}"] = best_us(case.k, case.v, case.table, batch)
+        else:
+            times[f"reader, {name}"] = best_us(case.k8, case.v8, case.table, batch, case.ks,
+                                               case.vs)
+        if name != "in order NHD":
+            times[f"pagedfuse {kind}, {name}"] = bench(lambda c=case: _pf_call(c, kind), REPS)
+        nbytes.update((name, case.bytes(kind)) for name in times if name not in nbytes)
         del case
         torch.cuda.empty_cache()
-    return times, nbytes
+    return {name: (us, nbytes[name]) for name, us in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("bf16", "int8_kv"), default="bf16")
     parser.add_argument("--geos", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--flush", choices=("zero", "read"), default=bench_decode.FLUSH,
+                        help="the L2 flush before each timed replay (bench_decode's --flush)")
     args = parser.parse_args()
+    bench_decode.FLUSH = args.flush
     torch.manual_seed(0)
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {args.flush} flush; target {args.kind} <= "
+          f"{TARGET_RATIOS[args.kind]}x contiguous SDPA", flush=True)
     for gname in args.geos:
         for length in args.lengths:
-            times, nbytes = measure(GEOMETRIES[gname], args.batch, length)
-            sdpa = times["contiguous SDPA"]
-            print(f"page read {gname} B={args.batch} L={length}: " + ", ".join(
+            times = measure(args.kind, GEOMETRIES[gname], args.batch, length)
+            sdpa, _ = times["contiguous SDPA"]
+            floor_us = times[f"reader, {next(iter(LAYOUTS))}"][1] / bw * 1e6
+            print(f"page read {args.kind} {gname} B={args.batch} L={length}: " + ", ".join(
                 f"{name} {us:.1f} ({nbytes / us / 1e6:.2f} TB/s, {us / sdpa:.3f}x)"
-                for name, us in times.items()) + f"; floor {nbytes / bw * 1e6:.1f}", flush=True)
+                for name, (us, nbytes) in times.items()) + f"; floor {floor_us:.1f}",
+                flush=True)
 
 
 if __name__ == "__main__":
