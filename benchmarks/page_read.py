@@ -9,7 +9,8 @@ L2 flush), for bf16 caches on the same bytes laid out four ways: the contiguous
 random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K+V
 caches on random pages in NHD and HND. Next to them: contiguous bf16 SDPA (the best of cuDNN
 and flash) and pagedfuse's decode of the same cache. Where the reader itself misses a
-target's ratio to SDPA, no paged decode can meet it::
+target's ratio to SDPA, a decode would have to read the pages faster than a kernel that does
+nothing else::
 
     python benchmarks/page_read.py                          # bf16, B=64, L=8192 and 32768
     python benchmarks/page_read.py --kind int8_kv --batch 8 --lengths 32768 --flush read
@@ -142,7 +143,7 @@ def measure(kind: str, geo: tuple[int, int, int], batch: int,
                                                case.vs)
         if name != "in order NHD":
             times[f"pagedfuse {kind}, {name}"] = bench(lambda c=case: _pf_call(c, kind), REPS)
-        nbytes.update((name, case.bytes(kind)) for name in times if name not in nbytes)
+        nbytes.update((key, case.bytes(kind)) for key in times if key not in nbytes)
         del case
         torch.cuda.empty_cache()
     return {name: (us, nbytes[name]) for name, us in times.items()}
