@@ -150,6 +150,13 @@ class Case:
     def block_args(self):
         return self.table, self.seq_lens, self.starts
 
+    def caches(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                          torch.Tensor | None]:
+        """(key, value, key scales, value scales) of one cache format (None: no scales)."""
+        k, ks = (self.k, None) if kind == "bf16" else (self.k8, self.ks)
+        v, vs = (self.v8, self.vs) if kind == "int8_kv" else (self.v, None)
+        return k, v, ks, vs
+
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[nb, bs, H, D] cache through [B, n] table -> [B, H, n*bs, D] (a view after the copy)."""
@@ -220,7 +227,8 @@ def captured(fn: Callable) -> torch.cuda.CUDAGraph:
 
 def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float:
     """µs from an event before to an event after one replay of ``graph``, ``flush`` run
-    first (bench's read flush, and the scripts that time replays by hand)."""
+    first (median_replay_us: bench's read flush, and the scripts that time replays by
+    hand)."""
     flush()
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     start.record()
@@ -231,8 +239,15 @@ def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float
 
 
 @functools.cache
-def _flush_buffer() -> torch.Tensor:
+def flush_buffer() -> torch.Tensor:
+    """256 MB to zero or read between timed calls, as do_bench's L2 flush does."""
     return torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+
+def median_replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object],
+                     count: int) -> float:
+    """Median µs of ``count`` replays of ``graph`` (replay_us), ``flush`` run before each."""
+    return statistics.median(replay_us(graph, flush) for _ in range(count))
 
 
 def bench(fn: Callable, reps: dict) -> float:
@@ -246,12 +261,10 @@ def bench(fn: Callable, reps: dict) -> float:
     if FLUSH == "zero":
         us = 1e3 * triton.testing.do_bench(graph.replay, return_mode="median", **reps)
     else:
-        buf = _flush_buffer()
-        flush = functools.partial(torch.amax, buf)
+        flush = functools.partial(torch.amax, flush_buffer())
         for _ in range(3):
             once = replay_us(graph, flush)
-        count = max(10, int(reps["rep"] * 1e3 / once))
-        us = statistics.median(replay_us(graph, flush) for _ in range(count))
+        us = median_replay_us(graph, flush, max(10, int(reps["rep"] * 1e3 / once)))
     del graph
     return us
 
@@ -752,8 +765,7 @@ def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
 
     d = case.geo[2]
     config, splits = default_launch(case, kind)
-    k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
-    v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
+    k, v, ks, vs = case.caches(kind)
     q, q_scale = OPS.quantize_int8(case.q) if ks is not None else (case.q, None)
     out = torch.empty_like(case.q)
     parts = torch.empty(splits * case.q.numel() // d * (d + 1), device="cuda")
@@ -894,9 +906,7 @@ def host_overhead() -> str:
 
 def _pf_call(case: Case, kind: str, config=None, splits=None, native=None) -> torch.Tensor:
     out = torch.empty_like(case.q)
-    k, ks = (case.k, None) if kind == "bf16" else (case.k8, case.ks)
-    v, vs = (case.v8, case.vs) if kind == "int8_kv" else (case.v, None)
-    pf_cuda.paged_attention_into(out, case.q, k, v, ks, vs, *case.block_args, case.scale,
+    pf_cuda.paged_attention_into(out, case.q, *case.caches(kind), *case.block_args, case.scale,
                                  False, None, case.length, 1, config=config, splits=splits,
                                  native=native)
     return out

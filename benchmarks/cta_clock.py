@@ -20,7 +20,16 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from bench_decode import GEOMETRIES, Case, _pf_call, captured, default_launch, pf_cuda, replay_us
+from bench_decode import (
+    GEOMETRIES,
+    Case,
+    _pf_call,
+    captured,
+    default_launch,
+    flush_buffer,
+    pf_cuda,
+    replay_us,
+)
 
 from pagedfuse.ops import cuda_native
 
@@ -66,7 +75,7 @@ def main() -> None:
     if lib is None or not hasattr(lib, "pagedfuse_cta_clock"):
         raise SystemExit("needs the library built with PAGEDFUSE_NVCC_FLAGS=-DPF_CTA_CLOCK")
     lib.pagedfuse_cta_clock.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flush = flush_buffer()
     torch.manual_seed(0)
     for gname, batch, length, kinds in POINTS:
         case = Case(GEOMETRIES[gname], batch, length)

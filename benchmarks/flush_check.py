@@ -14,38 +14,38 @@ flash; at B=8 flash is faster).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
-from bench_decode import GEOMETRIES, Case, _pf_call, captured, contiguous_sdpa, replay_us
+from bench_decode import (
+    GEOMETRIES,
+    Case,
+    _pf_call,
+    captured,
+    contiguous_out,
+    flush_buffer,
+    median_replay_us,
+)
 
 POINTS = ((8, 8192), (64, 8192), (8, 32768))
-
-
-def median_replay_us(fn: Callable, flush: Callable, n: int = 50) -> float:
-    """Median µs of ``n`` replays of ``fn``'s graph, ``flush`` run before each."""
-    graph = captured(fn)
-    return statistics.median(replay_us(graph, flush) for _ in range(n))
+REPLAYS = 50
 
 
 def check_point(batch: int, length: int, flushes: dict[str, Callable]) -> None:
     case = Case(GEOMETRIES["llama3_8b"], batch, length)
-    hq, hkv, d = case.geo
-    q4 = case.q.view(batch, hkv, hq // hkv, d)
     methods = {
-        "contiguous SDPA": lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig,
-                                                   case.scale),
+        "contiguous SDPA": lambda: contiguous_out(case),
         **{kind: (lambda k=kind: _pf_call(case, k)) for kind in ("bf16", "int8_kv", "int8_k")},
     }
     for name, fn in methods.items():
-        cells = ", ".join(f"{label} {median_replay_us(fn, flush):.1f}"
+        graph = captured(fn)
+        cells = ", ".join(f"{label} {median_replay_us(graph, flush, REPLAYS):.1f}"
                           for label, flush in flushes.items())
         print(f"llama3_8b B={batch} L={length} {name}: {cells}", flush=True)
 
 
 def main() -> None:
-    buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    buf = flush_buffer()
     flushes = {"zero 256 MB": buf.zero_, "read 256 MB": lambda: buf.max(),
                "none": lambda: None}
     for batch, length in POINTS:

@@ -136,11 +136,8 @@ def measure(kind: str, geo: tuple[int, int, int], batch: int,
             nbytes["contiguous SDPA"] = case.bytes("bf16")
             if kind == "bf16":
                 times["reader, contiguous"] = best_us(*contiguous_pages(case), batch)
-        if kind == "bf16":
-            times[f"reader, {name}"] = best_us(case.k, case.v, case.table, batch)
-        else:
-            times[f"reader, {name}"] = best_us(case.k8, case.v8, case.table, batch, case.ks,
-                                               case.vs)
+        k, v, ks, vs = case.caches(kind)
+        times[f"reader, {name}"] = best_us(k, v, case.table, batch, ks, vs)
         if name != "in order NHD":
             times[f"pagedfuse {kind}, {name}"] = bench(lambda c=case: _pf_call(c, kind), REPS)
         nbytes.update((key, case.bytes(kind)) for key in times if key not in nbytes)

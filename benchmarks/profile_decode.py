@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_sdpa, pf_cuda
+from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_out, pf_cuda
 
 
 def main() -> None:
@@ -30,9 +30,7 @@ def main() -> None:
     torch.manual_seed(0)
     case = Case(GEOMETRIES[args.geo], args.batch, args.length, shuffle=not args.in_order)
     if args.kind == "contiguous":
-        hq, hkv, d = case.geo
-        q4 = case.q.view(case.batch, hkv, hq // hkv, d)
-        call = lambda: contiguous_sdpa(q4, case.k_contig, case.v_contig, case.scale)  # noqa: E731
+        call = lambda: contiguous_out(case)  # noqa: E731
     else:
         native = None if args.heads is None else True
         config = native and pf_cuda.native_config(
