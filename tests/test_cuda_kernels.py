@@ -101,6 +101,16 @@ def reference(case: dict, unquantized: bool = False) -> torch.Tensor:
         v_scale, compute_dtype=torch.float64)
 
 
+def replayed(graph: torch.cuda.CUDAGraph, out: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """A copy of the captured output ``out`` after each of ``n`` replays of ``graph``."""
+    outs = []
+    for _ in range(n):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    return outs
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any(), "an output element was not written"
     return numerics.rel_err(out, ref)
@@ -480,11 +490,7 @@ def test_balanced_grid_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         captured = call()
-    outs = []
-    for _ in range(20):
-        graph.replay()
-        outs.append(captured.clone())
-    torch.cuda.synchronize()
+    outs = replayed(graph, captured, 20)
     assert all(torch.equal(o, eager) for o in outs)
     case["query"].copy_(torch.randn_like(case["query"]))
     graph.replay()
@@ -614,11 +620,7 @@ def test_cuda_graph_replays_are_identical(kv_int8):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
-    outs = []
-    for _ in range(100):
-        graph.replay()
-        outs.append(captured.clone())
-    torch.cuda.synchronize()
+    outs = replayed(graph, captured, 100)
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert torch.equal(outs[0], eager)
     case["query"].copy_(torch.randn_like(case["query"]))  # replays must see new inputs
