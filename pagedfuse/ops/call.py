@@ -1,0 +1,100 @@
+"""The record every kernel backend receives: one validated call of a paged-attention op.
+
+The op checks its arguments once (validate.py) and hands the kernels a frozen ``PagedCall``
+instead of a positional argument list, so a new argument (a window, a soft cap) is one new
+field here and every backend sees it by name. The sizes come from shapes only, never from
+tensor values, so building the record costs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+FLOAT_OP = "paged_attention"
+INT8_OP = "paged_attention_int8"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes of a call, read off the shapes (SymInts under a fake trace)."""
+
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    batch: int
+    max_blocks: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class PagedCall:
+    """The op's validated arguments, as the schema names them, plus the geometry.
+
+    ``key_scale`` is None for the float op; ``value_scale`` is None unless the value cache is
+    int8. ``max_seq_len`` / ``max_query_len`` are optional upper bounds the caller knows
+    (the rewrite fills them in); the properties below fall back to shape bounds without them.
+    """
+
+    op: str
+    query: Tensor
+    key_cache: Tensor
+    value_cache: Tensor
+    key_scale: Tensor | None
+    value_scale: Tensor | None
+    block_table: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+    scale: float
+    causal: bool
+    attn_bias: Tensor | None
+    max_seq_len: int | None
+    max_query_len: int | None
+    geometry: Geometry
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def int8_k(self) -> bool:
+        return self.key_scale is not None
+
+    @property
+    def int8_v(self) -> bool:
+        return self.value_cache.dtype == torch.int8
+
+    @property
+    def kind(self) -> str:
+        """What the caches hold: "int8_kv", "int8_k" (16/32-bit V) or "float"."""
+        if not self.int8_k:
+            return "float"
+        return "int8_kv" if self.int8_v else "int8_k"
+
+    @property
+    def query_bound(self) -> int:
+        """An upper bound on every sequence's query tokens (the hint, else all of them)."""
+        return self.max_query_len if self.max_query_len is not None else \
+            self.geometry.num_tokens
+
+    @property
+    def context_bound(self) -> int:
+        """An upper bound on every sequence's keys (the hint, else the table's capacity)."""
+        g = self.geometry
+        return self.max_seq_len if self.max_seq_len is not None else \
+            g.max_blocks * g.block_size
+
+    @property
+    def decode(self) -> bool:
+        """At most one query token per sequence, known from the hint or the shapes."""
+        return self.query_bound <= 1

@@ -1,0 +1,1 @@
+"""Shared test helpers: case builders, tolerances and compilers used by several test files."""
