@@ -46,7 +46,8 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 }
 
 // Walks the block table from key j0; only table entries covering keys < seq_len are read, and
-// those were validated to lie inside the cache.
+// those were validated to lie in [-num_blocks, num_blocks). A negative id wraps, as
+// `cache[block_table]` indexes.
 template <class KT, class VT>
 inline void gather_tile(const PagedArgs& a, const int64_t* blocks, int64_t j0, int64_t n,
                         Tile<KT, VT>& t) {
@@ -54,7 +55,7 @@ inline void gather_tile(const PagedArgs& a, const int64_t* blocks, int64_t j0, i
   const VT* V = static_cast<const VT*>(a.value);
   int64_t bi = j0 / a.block_size, off = j0 % a.block_size;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t blk = blocks[bi];
+    const int64_t blk = blocks[bi] < 0 ? blocks[bi] + a.num_blocks : blocks[bi];
     t.k[j] = K + blk * a.k_stride[0] + off * a.k_stride[1];
     t.v[j] = V + blk * a.v_stride[0] + off * a.v_stride[1];
     t.k_scale[j] = blk * a.ks_stride[0] + off * a.ks_stride[1];
@@ -64,13 +65,17 @@ inline void gather_tile(const PagedArgs& a, const int64_t* blocks, int64_t j0, i
   t.n = n;
 }
 
+// A K scale that is not finite becomes NaN: the dequantized key row it scales then holds a
+// NaN (0 * Inf for its zero elements), so its dot products are NaN, not the integer dot
+// times Inf.
 template <class KT, class VT>
 inline void head_tile(const PagedArgs& a, const Tile<KT, VT>& t, int64_t kvh,
                       HeadTile<KT, VT>& ht) {
   for (int64_t j = 0; j < t.n; ++j) {
     ht.k[j] = t.k[j] + kvh * a.k_stride[2];
     ht.v[j] = t.v[j] + kvh * a.v_stride[2];
-    ht.k_scale[j] = a.key_scale ? a.key_scale[t.k_scale[j] + kvh * a.ks_stride[2]] : 1.0f;
+    const float ks = a.key_scale ? a.key_scale[t.k_scale[j] + kvh * a.ks_stride[2]] : 1.0f;
+    ht.k_scale[j] = std::isfinite(ks) ? ks : NAN;
     ht.v_scale[j] = a.value_scale ? a.value_scale[t.v_scale[j] + kvh * a.vs_stride[2]] : 1.0f;
   }
 }
@@ -93,14 +98,15 @@ inline void prefetch_keys(const PagedArgs& a, const Tile<KT, VT>& t, int64_t j_b
   }
 }
 
-// attn_bias[b, h, i, j0 + j] for j < n: masks (bool) or adds (float) into the scores.
+// attn_bias[b, h, i, j0 + j] for j < n, added into the scores; a bool False adds -inf, as
+// SDPA applies a bool mask, so a masked key whose score is NaN (or +inf) still gives NaN.
 inline void apply_bias(const PagedArgs& a, int64_t b, int64_t h, int64_t i, int64_t j0,
                        int64_t n, float* s) {
   const int64_t base = b * a.bias_stride[0] + h * a.bias_stride[1] + i * a.bias_stride[2];
   const int64_t sj = a.bias_stride[3];
   if (a.bias_kind == 1) {
     const uint8_t* keep = static_cast<const uint8_t*>(a.bias) + base;
-    for (int64_t j = 0; j < n; ++j) if (!keep[(j0 + j) * sj]) s[j] = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) if (!keep[(j0 + j) * sj]) s[j] += -INFINITY;
   } else {
     const float* add = static_cast<const float*>(a.bias) + base;
     for (int64_t j = 0; j < n; ++j) s[j] += add[(j0 + j) * sj];
@@ -146,9 +152,14 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
   }
 
-  // Causal (bottom-right): the item's local token i sees keys < first_end + i.
+  // Causal (bottom-right): the item's local token i sees keys < first_end + i (none where
+  // that is <= 0: a sequence may have more query tokens than keys).
   const int64_t first_end = a.seq_lens[it.b] - q_len + it.tok0 + 1;
   const int64_t end = a.causal ? min64(it.key1, first_end + it.ntok - 1) : it.key1;
+  // Keys of the tile from j0 that local token i reads (<= 0: none).
+  auto keys_read = [&](int64_t i, int64_t j0, int64_t tile_n) {
+    return min64(tile_n, (a.causal ? min64(end, first_end + i) : end) - j0);
+  };
   // A ring of three tiles: tile n is computed while tile n + 2 is prefetched, a slice per
   // row, so every request has at least one tile of compute to arrive in.
   Tile<KT, VT> tiles[3];
@@ -168,10 +179,11 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
       head_tile(a, t, kvh, ht);
       // Scores of the G rows of each token at once, then the online-softmax update row by
       // row; p ends up holding the weights of V (softmax numerators times the V scale), 0
-      // for masked or out-of-range keys.
+      // for masked keys and for keys the row does not read. A NaN or +inf score makes the
+      // row NaN (m = NaN marks it), as in SDPA.
       for (int64_t i = 0; i < it.ntok; ++i) {
         const int64_t r0 = kvh * per_head + i * G;
-        const int64_t n = min64(t.n, (a.causal ? min64(end, first_end + i) : end) - j0);
+        const int64_t n = keys_read(i, j0, t.n);
         if (n > 0) {
           if constexpr (kInt8) {
             const int64_t qrow = token(r0) * Hq + head(r0);
@@ -185,27 +197,48 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
           if (kPrefetch && more) {  // a slice of tile n + 2 per row keeps requests spread
             prefetch_keys(a, ahead, r * ahead.n / rows, (r + 1) * ahead.n / rows);
           }
-          int64_t live = 0;
-          if (n > 0) {
+          int64_t live = 0;  // keys whose p holds a softmax numerator
+          if (n > 0 && !std::isnan(m[r])) {
             for (int64_t j = 0; j < n; ++j) p[j] *= q_mul[r] * ht.k_scale[j];
             if (a.bias_kind) apply_bias(a, it.b, head(r), it.tok0 + i, j0, n, p);
             float tile_max = -INFINITY;
-#pragma omp simd reduction(max : tile_max)
-            for (int64_t j = 0; j < n; ++j) tile_max = p[j] > tile_max ? p[j] : tile_max;
-            if (tile_max != -INFINITY) {  // else every key of this tile is masked for the row
+            int bad = 0;  // a NaN or +inf score
+#pragma omp simd reduction(max : tile_max) reduction(| : bad)
+            for (int64_t j = 0; j < n; ++j) {
+              tile_max = p[j] > tile_max ? p[j] : tile_max;
+              bad |= !(p[j] < INFINITY);
+            }
+            if (bad) {
+              m[r] = NAN;
+            } else if (tile_max != -INFINITY) {  // else every key of the tile is masked
               const float m_new = maxf(m[r], tile_max);
               const float alpha = std::exp(m[r] - m_new);  // 0 on the row's first live tile
               l[r] = l[r] * alpha + exp_sub_sum(p, n, m_new);
               m[r] = m_new;
               if (alpha != 1.0f) scale_row(acc + r * D, alpha, D);
-              for (int64_t j = 0; j < n; ++j) p[j] *= ht.v_scale[j];
               live = n;
             }
           }
           for (int64_t j = live; j < t.n; ++j) p[j] = 0.0f;
+          // A masked key (weight 0) still multiplies its V: 0 times a NaN or Inf is NaN.
+          for (int64_t j = 0; j < n; ++j) p[j] *= ht.v_scale[j];
         }
       }
-      pv_tile(acc + kvh * per_head * D, per_head, D, s + kvh * per_head * kTile, ht.v, t.n);
+      // P.V over the keys each row reads: one pass for all rows where every token reads the
+      // same keys of the tile, else token by token (the causal diagonal), so a key a row
+      // does not read never multiplies into it.
+      const int64_t n_first = keys_read(0, j0, t.n), n_last = keys_read(it.ntok - 1, j0, t.n);
+      if (n_first == n_last) {
+        if (n_last > 0) {
+          pv_tile(acc + kvh * per_head * D, per_head, D, s + kvh * per_head * kTile, ht.v,
+                  n_last);
+        }
+      } else {
+        for (int64_t i = 0; i < it.ntok; ++i) {
+          const int64_t r0 = kvh * per_head + i * G, n = keys_read(i, j0, t.n);
+          if (n > 0) pv_tile(acc + r0 * D, G, D, s + r0 * kTile, ht.v, n);
+        }
+      }
     }
   }
 
@@ -214,7 +247,7 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     if (it.nsplit == 1) {
       void* dst = static_cast<char*>(a.out) +
                   ((seq_start + i) * Hq + h) * D * float_bytes(a.q_dtype);
-      store_row(dst, a.q_dtype, acc + r * D, l[r] > 0.0f ? 1.0f / l[r] : 0.0f, D);
+      store_row(dst, a.q_dtype, acc + r * D, row_factor(m[r], l[r]), D);
     } else {
       const int64_t idx = (it.partial_row + i) * Hq + h;
       part.m[idx] = m[r];

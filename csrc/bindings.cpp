@@ -59,6 +59,7 @@ PagedArgs parse(const py::dict& d) {
   strides_arg(d, "value_scale_strides", a.vs_stride, 3);
   a.block_table = ptr_arg<const int64_t>(d, "block_table");
   a.max_blocks = int_arg(d, "max_blocks");
+  a.num_blocks = d.contains("num_blocks") ? int_arg(d, "num_blocks") : 0;
   a.seq_lens = ptr_arg<const int64_t>(d, "seq_lens");
   a.query_start_loc = ptr_arg<const int64_t>(d, "query_start_loc");
   a.bias = ptr_arg(d, "attn_bias");

@@ -77,12 +77,21 @@ inline void store_row(void* dst, Dtype dt, const float* src, float mul, int64_t 
   }
 }
 
+// The factor a row's accumulated sum_j p_j v_j is stored with: 1 / l; 0 where every weight
+// is 0 (which keeps a NaN that a weight-0 key's NaN or Inf in V put there); NaN for a row
+// whose running max m is NaN, the mark of a NaN or +inf score.
+inline float row_factor(float m, float l) {
+  return std::isnan(m) ? NAN : l > 0.0f ? 1.0f / l : 0.0f;
+}
+
 // Symmetric int8 of one row: scale = max|x| / 127, q = round_half_even(x / scale) clamped to
-// +-127 (a zero row gives scale 0 and zeros). Bit-identical to quantize_int8_reference.
+// +-127 (a zero row gives scale 0 and zeros; a NaN in the row gives scale NaN, and an element
+// whose quotient is NaN gives 0). Bit-identical to quantize_int8_reference.
 float quantize_row(const void* src, Dtype dt, int64_t n, int8_t* dst);
 
 // Everything one paged-attention call needs, in elements (not bytes). Filled from Python after
-// validation: block ids in use are < num_blocks, seq_lens <= capacity, strides in bounds.
+// validation: block ids in use are in [-num_blocks, num_blocks), seq_lens <= capacity,
+// strides in bounds.
 struct PagedArgs {
   void* out;  // contiguous [T, Hq, D] in q_dtype
   const void* query;
@@ -100,6 +109,7 @@ struct PagedArgs {
   int64_t vs_stride[3];
   const int64_t* block_table;  // contiguous [B, max_blocks]
   int64_t max_blocks;
+  int64_t num_blocks;  // the cache's: a negative block id wraps by it (0: not given)
   const int64_t* seq_lens;         // [B]
   const int64_t* query_start_loc;  // [B + 1]
   const void* bias;  // uint8 (bool) or float32; strides already 0 on broadcast dims

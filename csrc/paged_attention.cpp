@@ -48,9 +48,9 @@ Plan make_plan(const PagedArgs& a) {
     if (q_len == 0) continue;
     const int64_t chunks = ceil_div(q_len, chunk);
     int64_t span = len, nsplit = 1;
-    if (chunks == 1 && factor > 1) {
+    if (chunks == 1 && factor > 1) {  // a sequence without keys still has its one item
       span = ceil_div(std::max(kMinSplitKeys, ceil_div(len, factor)), kTile) * kTile;
-      nsplit = ceil_div(len, span);
+      nsplit = std::max<int64_t>(1, ceil_div(len, span));
     }
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t tok0 = c * chunk, ntok = std::min(chunk, q_len - tok0);
@@ -69,6 +69,8 @@ Plan make_plan(const PagedArgs& a) {
 }
 
 // out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max m): the softmax over all keys.
+// A split whose keys are all masked (m_s = -inf) enters with weight 0, which keeps a NaN its
+// weight-0 keys put in acc_s; a split with m_s NaN makes the row NaN.
 void combine(const PagedArgs& a, const Plan& plan, const Partials& p) {
   const int64_t Hq = a.num_q_heads, D = a.head_dim;
   const int64_t elem = float_bytes(a.q_dtype);
@@ -91,20 +93,20 @@ void combine(const PagedArgs& a, const Plan& plan, const Partials& p) {
       const int64_t q_len = a.query_start_loc[sp.b + 1] - a.query_start_loc[sp.b];
       float mx = -INFINITY;
       for (int64_t s = 0; s < sp.nsplit; ++s) {
-        mx = std::max(mx, p.m[(sp.partial_row + s * q_len + i) * Hq + h]);
+        const float m = p.m[(sp.partial_row + s * q_len + i) * Hq + h];
+        mx = std::isnan(m) || m > mx ? m : mx;
       }
       float l = 0.0f;
       std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t s = 0; s < sp.nsplit && mx != -INFINITY; ++s) {
+      for (int64_t s = 0; s < sp.nsplit && !std::isnan(mx); ++s) {
         const int64_t idx = (sp.partial_row + s * q_len + i) * Hq + h;
-        if (p.m[idx] == -INFINITY) continue;
-        const float w = std::exp(p.m[idx] - mx);
+        const float w = mx == -INFINITY ? 0.0f : std::exp(p.m[idx] - mx);
         l += w * p.l[idx];
         for (int64_t d = 0; d < D; ++d) sum[d] += w * p.acc[idx * D + d];
       }
       void* dst = static_cast<char*>(a.out) +
                   ((a.query_start_loc[sp.b] + i) * Hq + h) * D * elem;
-      store_row(dst, a.q_dtype, sum.data(), l > 0.0f ? 1.0f / l : 0.0f, D);
+      store_row(dst, a.q_dtype, sum.data(), row_factor(mx, l), D);
     }
   }
 }
@@ -137,6 +139,21 @@ ItemKernel item_kernel(Isa isa, int64_t head_dim) {
   return run_item_portable;
 }
 
+// Without the cache's block count a negative block id cannot wrap: refuse one in use rather
+// than read before the cache.
+void require_block_count_for_negative_ids(const PagedArgs& a) {
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t* row = a.block_table + b * a.max_blocks;
+    for (int64_t i = 0; i < ceil_div(a.seq_lens[b], a.block_size); ++i) {
+      if (row[i] < 0) {
+        throw std::invalid_argument(
+            "block_table: negative block id " + std::to_string(row[i]) + " in use, but the "
+            "caller passed no num_blocks to wrap it by");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool cpu_has_avx512_vnni() {
@@ -153,6 +170,7 @@ bool cpu_has_avx512_vnni() {
 const char* selected_isa() { return choose_isa() == Isa::avx512 ? "avx512" : "portable"; }
 
 void paged_attention(PagedArgs a) {
+  if (a.num_blocks <= 0) require_block_count_for_negative_ids(a);
   const ItemKernel kernel = item_kernel(choose_isa(), a.head_dim);
   a.threads = std::max(1, a.threads);
   const int64_t Hq = a.num_q_heads, D = a.head_dim;

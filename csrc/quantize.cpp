@@ -8,13 +8,17 @@ namespace pagedfuse {
 template <class T>
 static float quantize_typed(const T* x, int64_t n, int8_t* dst) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(to_float(x[i])));
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(to_float(x[i]));
+    amax = a > amax || std::isnan(a) ? a : amax;  // a NaN stays: max|x| of the row is NaN
+  }
   const float scale = amax / 127.0f;
   const float div = scale > 0.0f ? scale : 1.0f;
   for (int64_t i = 0; i < n; ++i) {
     // A true division (not a multiply by 1/scale) and ties-to-even, as the reference does.
     const float v = std::nearbyint(to_float(x[i]) / div);
-    dst[i] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+    dst[i] = std::isnan(v) ? 0
+                           : static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
   }
   return scale;
 }

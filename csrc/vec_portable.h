@@ -35,14 +35,14 @@ inline void dots_rows_i8(const int8_t* q, const int32_t* /*q_sum*/, int64_t rows
   }
 }
 
-// acc[r] += sum_j p[r][j] * v[j] over the rows of a tile (p is [rows, kTile]).
+// acc[r] += sum_j p[r][j] * v[j] over the rows of a tile (p is [rows, kTile]). A weight of 0
+// is multiplied too: 0 times a NaN or Inf in V is NaN, as in SDPA.
 template <class VT>
 inline void pv_tile(float* acc, int64_t rows, int64_t n_dim, const float* p,
                     const VT* const* v, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) {
       const float w = p[r * kTile + j];
-      if (w == 0.0f) continue;
       float* acc_r = acc + r * n_dim;
 #pragma omp simd
       for (int64_t d = 0; d < n_dim; ++d) acc_r[d] += w * to_float(v[j][d]);

@@ -69,7 +69,18 @@
 // the H200 that took 0.8-1.2 µs off an INT8 call at B=1 (benchmarks/RESULTS.md, calls 41-44).
 //
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
-// values (unchecked on the GPU) never move a read outside the cache, the table or the query.
+// values (unchecked on the GPU) never move a read outside the cache, the table or the query;
+// a block id in [-num_blocks, 0) wraps first, as `cache[block_table]` indexes.
+//
+// Non-finite values, as eager SDPA gives them over a row's keys (the op's reference): a NaN
+// or +inf score (from the query, K, or a scale) makes the row NaN. Such a score turns the
+// running sum l into NaN and keeps it so (exp2 of NaN, or of +inf minus the +inf max), so
+// l alone marks the row, with no test per tile; the merges pass a NaN l on as a NaN row and
+// log-sum-exp. A K scale that is not finite counts as NaN (its dequantized row holds a NaN),
+// and so does an INT8 V scale: the quantized P·V cannot carry an Inf, so an infinite V scale
+// makes the row NaN where eager SDPA has +-Inf in the dims whose int8 value is not 0. Tokens
+// past a split's end read the sequence's last token with weight 0, so an Inf in that token's
+// 16-bit V gives NaN in its dims where eager SDPA gives +-Inf.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -394,9 +405,9 @@ template <int D, int KIND>
 constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
 
 // The log2-domain log-sum-exp of a row whose scores peak at m and whose exponentials sum to
-// l (-inf for a row without keys).
+// l (-inf for a row without keys, NaN for a NaN row).
 __device__ __forceinline__ float log_sum_exp2(float m, float l) {
-  return l > 0.f ? m + log2f(l) : -INFINITY;
+  return l > 0.f ? m + log2f(l) : l == 0.f ? -INFINITY : l;
 }
 
 // One sequence's lengths, clamped as the Triton kernel clamps them.
@@ -475,9 +486,9 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
     const int tok = tok64 < last ? static_cast<int>(tok64) : last;
     const int page_idx = a.page_shift >= 0 ? tok >> a.page_shift : tok / a.page;
     const uint32_t slot = tok - page_idx * a.page;
-    const auto blk = static_cast<uint32_t>(clamp(
-        load_index(a.block_table, table_row + page_idx * a.bt_sn, table64), 0,
-        a.num_blocks - 1));
+    const int64_t id = load_index(a.block_table, table_row + page_idx * a.bt_sn, table64);
+    const auto blk = static_cast<uint32_t>(clamp(id < 0 ? id + a.num_blocks : id, 0,
+                                                 a.num_blocks - 1));
     return {blk * a.k_sb + slot * a.k_st, blk * a.v_sb + slot * a.v_st,
             blk * a.ks_sb + slot * a.ks_st, blk * a.vs_sb + slot * a.vs_st};
   };
@@ -572,6 +583,8 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
       }
       ks[j] = kK8 ? buf.ks[g * ROWS + j] : 1.f;  // adjacent: vector loads
       vs[j] = kV8 ? buf.vs[g * ROWS + j] : 1.f;
+      // a scale that is not finite: NaN scores for the token (tokens past the end are masked)
+      if (kK8 && !(fabsf(ks[j]) < INFINITY && fabsf(vs[j]) < INFINITY)) ks[j] = NAN;
     }
 #pragma unroll
     for (int x = 0; x < VX; ++x) ldmatrix_x4_trans(buf.v + v_at(x), vm[x]);
@@ -762,7 +775,7 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
       lsum += e * s_l[w][h];
       acc += e * s_o[w][h][d];
     }
-    emit(r, d, acc / (lsum > 0.f ? lsum : 1.f), m_use, lsum);
+    emit(r, d, lsum != lsum ? NAN : acc / (lsum > 0.f ? lsum : 1.f), m_use, lsum);
   }
   __syncthreads();  // the next span reuses the shared memory
 }
@@ -964,6 +977,7 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     for (int idx = threadIdx.x; idx < rows * D / 4; idx += kThreads) {
       const int r = idx / (D / 4), d = idx % (D / 4) * 4;
       float m = -INFINITY, l = 0.f;
+      bool nan_row = false;  // a piece's log-sum-exp is NaN
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       int64_t start = start_lo, frac = frac_lo;  // CTA c's share start, (c rem) % ctas
       for (int64_t c0 = c_lo; c0 <= c_hi; c0 += kBatch) {
@@ -986,6 +1000,7 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
+          nan_row |= lse[j] != lse[j];
           const float m_new = fmaxf(m, lse[j]);
           if (m_new == -INFINITY) continue;  // no keys so far
           const float keep = exp2f(m - m_new), w = exp2f(lse[j] - m_new);
@@ -995,7 +1010,7 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
           m = m_new;
         }
       }
-      const float inv = 1.f / (l > 0.f ? l : 1.f);
+      const float inv = nan_row ? NAN : 1.f / (l > 0.f ? l : 1.f);
       E* dst = out + (p.row0 + r) * D + d;
       dst[0] = to_out<E>(acc.x * inv), dst[1] = to_out<E>(acc.y * inv);
       dst[2] = to_out<E>(acc.z * inv), dst[3] = to_out<E>(acc.w * inv);

@@ -8,11 +8,17 @@ import torch
 
 
 def quantize_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: scale = max|x| / 127 over the last dim, round to nearest even."""
+    """Symmetric per-row int8: scale = max|x| / 127 over the last dim, round to nearest even.
+
+    Non-finite rows stay visible: a NaN makes the row's scale NaN (and an Inf makes it Inf),
+    so whatever is dequantized from the row is not finite either; an element whose quotient
+    is NaN (x NaN, or Inf over an Inf scale) is stored as 0, a defined int8 for every kernel.
+    """
     xf = x.to(torch.float32)
-    scale = xf.abs().amax(dim=-1) / 127.0
+    scale = xf.abs().amax(dim=-1) / 127.0  # amax propagates NaN
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(xf / safe.unsqueeze(-1))
+    q = torch.where(q.isnan(), 0.0, q).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -44,9 +50,16 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Paged attention as DESIGN.md defines it; with ``key_scale`` it is the INT8 variant.
 
+    Sequence b's query token t (of q_len) sits at position seq_len - q_len + t, which may be
+    negative, and reads keys j < seq_len, with ``causal`` only j <= its position. Over the
+    keys it reads, a row is eager SDPA with ``attn_bias`` as the mask (a bool False adds
+    -inf): a NaN or +inf score makes the row NaN, a row whose scores are all -inf (or that
+    reads no key) gets weights 0, and V enters as sum_j w_j v_j in IEEE arithmetic (so a
+    weight-0 key with a NaN or Inf in V makes that column NaN). Keys a row does not read
+    never reach it. Negative block ids wrap, as ``cache[block_table]`` does.
+
     INT8: the query is quantized per token and head, scores are the exact integer dot
     products times q_scale * k_scale * scale; V is dequantized with ``value_scale`` if given.
-    Rows whose keys are all masked produce zeros.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -58,7 +71,7 @@ def paged_attention_reference(
     for b, length in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         n = q1 - q0
-        if n == 0:
+        if n == 0 or length == 0:  # no row, or rows that read no key: zeros
             continue
         blocks = block_table[b, : (length + block_size - 1) // block_size].long()
         k = _gather(key_cache, blocks, length).to(compute_dtype)  # [L, Hkv, D]
@@ -75,18 +88,34 @@ def paged_attention_reference(
         scores = torch.einsum("nhd,lhd->hnl", q.to(compute_dtype), k) * scale  # [Hq, n, L]
         if attn_bias is not None:
             bias = _bias_slice(attn_bias, b, n, length)
-            if bias.dtype == torch.bool:
-                scores = scores.masked_fill(~bias, float("-inf"))
-            else:
-                scores = scores + bias.to(compute_dtype)
-        if causal:
-            rows = torch.arange(n, device=query.device)[:, None] + (length - n)
-            cols = torch.arange(length, device=query.device)[None, :]
-            scores = scores.masked_fill(cols > rows, float("-inf"))
+            if bias.dtype == torch.bool:  # additive, as SDPA applies it: NaN stays NaN
+                bias = torch.where(bias, 0.0, float("-inf"))
+            scores = scores + bias.to(compute_dtype)
+        reads = _keys_read(n, length, causal, query.device)  # [n, L]
+        scores = scores.masked_fill(~reads, float("-inf"))
+        poisoned = (scores.isnan() | (scores == float("inf"))).any(dim=-1, keepdim=True)
         row_max = scores.amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(row_max)
-        probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
-        denom = probs.sum(dim=-1, keepdim=True)
-        probs = torch.where(finite, probs / denom.clamp_min(torch.finfo(compute_dtype).tiny), 0.0)
-        out[q0:q1] = torch.einsum("hnl,lhd->nhd", probs, v)
+        live = ~poisoned & (row_max > float("-inf"))
+        probs = torch.exp(scores - torch.where(live, row_max, torch.zeros_like(row_max)))
+        probs = torch.where(live, probs / probs.sum(dim=-1, keepdim=True), 0.0)
+        rows = _weighted_values(probs, v, reads)
+        out[q0:q1] = torch.where(poisoned.transpose(0, 1), float("nan"), rows)
     return out.to(query.dtype)
+
+
+def _keys_read(n: int, length: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """[n, length] bool: which keys each of a sequence's n query rows reads."""
+    cols = torch.arange(length, device=device)[None, :]
+    if not causal:
+        return cols >= 0
+    return cols <= torch.arange(n, device=device)[:, None] + (length - n)
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    """[n, Hq, D] sum over the keys each row reads of probs [Hq, n, L] times v [L, Hq, D].
+    A product over all keys would let a key a row does not read (weight 0) turn its NaN or
+    Inf in V into a NaN there, so rows that read different keys go one by one then."""
+    if bool(reads.all()) or bool(v.isfinite().all()):
+        return torch.einsum("hnl,lhd->nhd", probs, v)
+    return torch.stack([torch.einsum("hl,lhd->hd", probs[:, i, reads[i]], v[reads[i]])
+                        for i in range(reads.shape[0])])

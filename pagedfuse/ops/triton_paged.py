@@ -11,6 +11,14 @@ INT8 (INT8_K): the query arrives pre-quantized (one small kernel shared by all s
 Q·K^T is an int8 tl.dot with int32 accumulation, scaled by q_scale * k_scale * scale before
 the softmax. INT8 V (V_INT8): the per-token V scales are folded into P, P is quantized per
 row and P·V is an int8 tl.dot too, so V is never converted element by element.
+
+Non-finite values follow eager SDPA over the keys a row reads (as the reference does): a NaN
+or +inf score makes the row NaN (``bad``; its log-sum-exp is NaN for the combine), a bool
+mask adds -inf rather than replacing the score, and V enters as sum_j p_j v_j in IEEE
+arithmetic over the keys the row reads. The tensor-core P·V multiplies every key of the
+tile into every row, so a tile whose V (or V scale) is not finite where that would be wrong
+(a key some row does not read under causal prefill, or the quantized P of INT8 V) takes
+_pv_non_finite instead, at run time.
 """
 
 from __future__ import annotations
@@ -25,6 +33,27 @@ LOG2E = 1.4426950408889634
 def _load_rows(base_ptr, row_off, offs_d, valid):
     """[len(row_off), HEAD_DIM] rows at base + row_off (innermost dim contiguous)."""
     return tl.load(base_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _pv_non_finite(p, v, reads):
+    """sum_j p[i, j] v[j, :] over the keys row i reads, in IEEE arithmetic, for fp32 p
+    [M, N] (0 where a read key is masked) and fp32 v [N, D] holding NaN or Inf: the finite
+    part by one product, the non-finite elements by counting, per row and dim, the read keys
+    that bring a NaN (a NaN, or an Inf times weight 0) or an Inf of either sign."""
+    bad = (v != v) | (tl.abs(v) == float("inf"))
+    part = tl.dot(p, tl.where(bad, 0.0, v), input_precision="ieee")
+    read = reads.to(tl.float32)
+    weighted = (reads & (p > 0.0)).to(tl.float32)
+    is_nan = (v != v).to(tl.float32)
+    pos_inf = (v == float("inf")).to(tl.float32)
+    neg_inf = (v == -float("inf")).to(tl.float32)
+    nans = tl.dot(read, is_nan, input_precision="ieee") + tl.dot(
+        read - weighted, pos_inf + neg_inf, input_precision="ieee")
+    pos = tl.dot(weighted, pos_inf, input_precision="ieee") > 0.0
+    neg = tl.dot(weighted, neg_inf, input_precision="ieee") > 0.0
+    part = tl.where(pos, float("inf"), tl.where(neg, -float("inf"), part))
+    return tl.where((nans > 0.0) | (pos & neg), float("nan"), part)
 
 
 @triton.jit
@@ -62,33 +91,39 @@ def _attend_rows(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bad = tl.zeros([BLOCK_M], tl.int32)  # rows with a NaN or +inf score
     for start in range(kv_lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
-        blk = tl.minimum(tl.maximum(blk.to(tl.int64), 0), num_blocks - 1)
+        blk = blk.to(tl.int64)
+        blk = tl.where(blk < 0, blk + num_blocks, blk)  # negative ids wrap, as in indexing
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
         slot = offs_n % PAGE
         k = _load_rows(k_ptr, blk * stride_kb + slot * stride_kt + kvh * stride_kh, offs_d, n_ok)
         if INT8_K:
             k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh,
                               mask=n_ok, other=0.0)
+            # not finite -> NaN: the dequantized row holds a NaN (0 * Inf), so do its scores
+            k_scale = tl.where(tl.abs(k_scale) < float("inf"), k_scale, float("nan"))
             qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
             s = qk * (q_scale[:, None] * k_scale[None, :]) * sm_scale_log2
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        keep = n_ok[None, :] & row_ok[:, None]
+        reads = n_ok[None, :] & row_ok[:, None]  # the keys each row reads
         if CAUSAL:
-            keep = keep & (offs_n[None, :] <= last_key[:, None])
+            reads = reads & (offs_n[None, :] <= last_key[:, None])
         if HAS_BIAS:
             bias_off = (b * stride_ab + head[:, None] * stride_ah
                         + tl.minimum(t, bias_rows - 1)[:, None] * stride_am
                         + tl.minimum(offs_n, bias_cols - 1)[None, :] * stride_an)
-            bias = tl.load(bias_ptr + bias_off, mask=keep, other=0)
-            if BIAS_BOOL:
-                keep = keep & (bias != 0)
+            bias = tl.load(bias_ptr + bias_off, mask=reads, other=0)
+            if BIAS_BOOL:  # added, as SDPA adds a bool mask: a masked NaN score stays NaN
+                s += tl.where(bias != 0, 0.0, float("-inf"))
             else:
                 s += bias.to(tl.float32) * 1.4426950408889634
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(reads, s, float("-inf"))
+        bad = tl.maximum(bad, tl.max(((s != s) | (s == float("inf"))).to(tl.int32), axis=1))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -100,17 +135,27 @@ def _attend_rows(
         if V_INT8:
             v_scale = tl.load(vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh,
                               mask=n_ok, other=0.0)
-            pv = p * v_scale[None, :]
-            p_max = tl.max(tl.abs(pv), axis=1)
-            p_step = tl.where(p_max > 0.0, p_max / 127.0, 1.0)
-            p_q = pv * (1.0 / p_step)[:, None]
-            p_i8 = tl.where(p_q >= 0.0, p_q + 0.5, p_q - 0.5).to(tl.int8)  # round half away
-            part = tl.dot(p_i8, v, out_dtype=tl.int32).to(tl.float32) * p_step[:, None]
+            if tl.max((~(tl.abs(v_scale) < float("inf"))).to(tl.int32), axis=0) > 0:
+                part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads)
+            else:
+                pv = p * v_scale[None, :]
+                p_max = tl.max(tl.abs(pv), axis=1)
+                p_step = tl.where(p_max > 0.0, p_max / 127.0, 1.0)
+                p_q = pv * (1.0 / p_step)[:, None]
+                p_i8 = tl.where(p_q >= 0.0, p_q + 0.5, p_q - 0.5).to(tl.int8)  # half away
+                part = tl.dot(p_i8, v, out_dtype=tl.int32).to(tl.float32) * p_step[:, None]
+        elif CAUSAL and QT > 1:  # rows of the tile read different keys
+            v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
+            if tl.max(tl.max(v_bad.to(tl.int32), axis=1), axis=0) > 0:
+                part = _pv_non_finite(p, v.to(tl.float32), reads)
+            else:
+                part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         else:
             part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + part
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = tl.where(bad[:, None] > 0, float("nan"), o)
     out_off = (tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head) * HEAD_DIM
     if DIRECT:
         tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -120,6 +165,7 @@ def _attend_rows(
         tl.store(part_o_ptr + part_base * HEAD_DIM + out_off[:, None] + offs_d[None, :], o,
                  mask=row_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        lse = tl.where(bad > 0, float("nan"), lse)
         tl.store(part_lse_ptr + part_base + out_off // HEAD_DIM, lse, mask=row_ok)
 
 
@@ -171,7 +217,9 @@ def paged_attention_kernel(
 def combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows, num_splits,
                           SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           WAIT: tl.constexpr = False):
-    """Merge the splits' partial rows of one (token, head); a row no key reached gets 0.
+    """Merge the splits' partial rows of one (token, head); a row no key reached gets 0 (or
+    the NaN a masked key's V put in its partial row: a split enters with weight 0, not
+    skipped), and a split whose log-sum-exp is NaN makes the row NaN.
     WAIT: launched as a programmatic dependent launch, so wait for the attention grid."""
     if WAIT:
         tl.extra.cuda.gdc_wait()
@@ -180,10 +228,12 @@ def combine_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows, num_splits,
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
     lse = tl.load(part_lse_ptr + offs_s * rows + row, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    bad = tl.max((lse != lse).to(tl.int32), axis=0)
+    m = tl.max(tl.where(lse != lse, float("-inf"), lse), axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     o = tl.load(part_o_ptr + (offs_s[:, None] * rows + row) * HEAD_DIM + offs_d[None, :],
-                mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
+                mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    res = tl.where(bad > 0, float("nan"), res)
     tl.store(out_ptr + row * HEAD_DIM + offs_d, res.to(out_ptr.dtype.element_ty))

@@ -2,6 +2,8 @@
 
 Exactness needs IEEE division (Triton's plain ``/`` is approximate on the GPU) and rounding
 half to even, which is built from floor() because libdevice.rint has no interpreter path.
+A NaN is carried explicitly (tl.max and tl.minimum drop NaN on the GPU): a row holding one has
+scale NaN, and an element whose quotient is NaN is stored as 0, as in the reference.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr,
     valid = offs < row_len
     x = tl.load(x_ptr + row * row_len + offs, mask=valid, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), scale)
     safe = tl.where(scale > 0.0, scale, 1.0)
     q = round_half_even(tl.math.div_rn(x, safe))
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    q = tl.minimum(tl.maximum(tl.where(q != q, 0.0, q), -127.0), 127.0)
     tl.store(q_ptr + row * row_len + offs, q.to(tl.int8), mask=valid)
     tl.store(s_ptr + row, scale)
     if RELEASE:  # the decode launched after this grid (PDL) may start; it waits for q

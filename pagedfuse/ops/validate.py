@@ -213,6 +213,9 @@ def check_metadata(
     if reason:
         raise ValueError(f"query: {reason}")
     batch, max_blocks = block_table.shape
+    if _static((batch, num_tokens)) and batch == 0 and num_tokens > 0:
+        raise ValueError(f"query: {num_tokens} query tokens, but batch is 0 (block_table has "
+                         "no rows, so there is no sequence for them)")
     if _static((batch, seq_lens.shape[0])) and seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens: length {seq_lens.shape[0]} must equal block_table's "
                          f"batch {batch}")
@@ -259,11 +262,18 @@ def check_values(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
 ) -> None:
-    """Checks of tensor values, vectorised (a min/max, not a Python loop)."""
-    if geo.batch == 0:
-        return
-    sl = seq_lens.to(torch.int64)
+    """Checks of tensor values, vectorised (a min/max, not a Python loop).
+
+    What stays legal, as eager indexing and SDPA have it: a sequence with more query tokens
+    than keys (its early rows read fewer keys, or none), and block ids in [-num_blocks, 0),
+    which wrap like ``cache[block_table]``.
+    """
     qsl = query_start_loc.to(torch.int64)
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc: must start at 0, got {int(qsl[0])}")
+    if geo.batch == 0:
+        return  # check_metadata has seen that there are no query tokens either
+    sl = seq_lens.to(torch.int64)
     shortest, longest = int(sl.min()), int(sl.max())
     if shortest < 0:
         raise ValueError(f"seq_lens: entries must be >= 0, got min {shortest}")
@@ -271,27 +281,21 @@ def check_values(
     if longest > capacity:
         raise ValueError(f"seq_lens: max {longest} exceeds the block table's capacity "
                          f"{geo.max_blocks} blocks x {geo.block_size} = {capacity}")
-    if int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc: must start at 0, got {int(qsl[0])}")
     q_lens = qsl[1:] - qsl[:-1]
     if int(q_lens.min()) < 0:
         raise ValueError("query_start_loc: must be non-decreasing")
     if int(qsl[-1]) != geo.num_tokens:
         raise ValueError(f"query_start_loc: last entry {int(qsl[-1])} must equal query's "
                          f"num_tokens {geo.num_tokens}")
-    more_queries_than_keys = q_lens > sl
-    if bool(more_queries_than_keys.any()):
-        b = int(torch.nonzero(more_queries_than_keys)[0, 0])
-        raise ValueError(f"query_start_loc: sequence {b} has {int(q_lens[b])} query tokens but "
-                         f"seq_lens[{b}] = {int(sl[b])} keys (queries are the last keys)")
     used_blocks = (sl + geo.block_size - 1) // geo.block_size
     in_use = torch.arange(geo.max_blocks, device=sl.device)[None, :] < used_blocks[:, None]
     if bool(in_use.any()):
         used = block_table.to(torch.int64)[in_use]
         lo, hi = int(used.min()), int(used.max())
-        if lo < 0 or hi >= geo.num_blocks:
-            raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside the "
-                             f"cache's {geo.num_blocks} blocks")
+        if lo < -geo.num_blocks or hi >= geo.num_blocks:
+            raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside "
+                             f"[-{geo.num_blocks}, {geo.num_blocks}) (the cache's "
+                             f"{geo.num_blocks} blocks; negative ids wrap)")
     longest_q = int(q_lens.max())
     if max_seq_len is not None and max_seq_len < longest:
         raise ValueError(f"max_seq_len: hint {max_seq_len} < longest sequence {longest}")
