@@ -7,17 +7,17 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from test_patterns_cases import (
+from helpers.capture import Capture
+from helpers.programs import (
     INT8_TOL,
     PAGED,
     SDPA,
     TOL,
-    Capture,
     Spec,
     compile_and_compare,
     make_case,
-    rel_err,
 )
+from numerics import max_rel_err as rel_err
 
 import pagedfuse
 

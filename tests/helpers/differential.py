@@ -10,11 +10,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import pagedfuse
+from pagedfuse.rewrite.verify import INT8_TOLERANCE, TOLERANCES
 
-# Max |got - want| / max |want| per dtype (bf16/fp16 and int8 dequant as in verify mode).
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 2e-2,
-             torch.float16: 2e-2}
-INT8_TOLERANCE = 5e-2
+__all__ = ["INT8_TOLERANCE", "Outcome", "differential", "mismatch"]
 
 
 def clone_inputs(args: object) -> object:
@@ -24,7 +22,8 @@ def clone_inputs(args: object) -> object:
 
 
 def mismatch(got: object, want: object, tolerance: float | None = None) -> str | None:
-    """Why ``got`` differs from ``want`` (None when equal within tolerance; NaN == NaN)."""
+    """Why ``got`` differs from ``want`` (None when equal within tolerance: max |got - want| /
+    max |want| over the finite values, verify mode's tolerance per dtype; NaN == NaN)."""
     if not isinstance(want, torch.Tensor):
         return None if got == want else f"{got!r} != {want!r}"
     if not isinstance(got, torch.Tensor):
@@ -49,7 +48,7 @@ def mismatch(got: object, want: object, tolerance: float | None = None) -> str |
     if not bool(finite.any()):
         return None
     err = float((g - w)[finite].abs().max() / w[finite].abs().max().clamp_min(1e-30))
-    limit = TOLERANCE.get(want.dtype, 2e-2) if tolerance is None else tolerance
+    limit = TOLERANCES.get(want.dtype, 2e-2) if tolerance is None else tolerance
     return None if err <= limit else f"max relative error {err:.3g} > {limit:g}"
 
 
