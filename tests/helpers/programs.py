@@ -141,7 +141,7 @@ def expand_heads(spec: Spec, x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def build_mask(spec: Spec, valid: torch.Tensor, sl: torch.Tensor, bias: torch.Tensor | None,
-          dtype: torch.dtype) -> torch.Tensor | None:
+               dtype: torch.dtype) -> torch.Tensor | None:
     """SDPA's attn_mask for ``spec`` from the [B, L] validity ``arange(L) < sl[:, None]``."""
     additive = torch.where(valid, 0.0, float("-inf"))[:, None, None, :].to(dtype)
     if spec.mask == "bool":

@@ -1,7 +1,7 @@
 """The built-in pattern: SDPA over K/V gathered from a paged (or flat slot) cache.
 
-kv_trace walks K/V back to their gather (its ``_GATHERS`` table), masks reads attn_mask (its
-``_COMPARES``/``_ADDITIVE`` tables), site assembles the match, preconditions holds the named
+kv_trace walks K/V back to their gather (its ``GATHERS`` table), masks reads attn_mask (its
+``COMPARES``/``ADDITIVE`` tables), site assembles the match, preconditions holds the named
 checks, replace builds the op call, sdpa_semantics asks SDPA what the op's contract leaves
 open.
 """

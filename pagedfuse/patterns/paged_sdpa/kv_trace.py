@@ -4,7 +4,7 @@ The walk passes layout ops (graph/layout.py), casts and dequant multiplies and s
 gather recogniser; a view that reinterprets the dtype ends it. Going forward again, the
 named-axes interpreter proves the operand is
 ``[batch, kv_head (x rep), position = (block, slot), head_dim]``. Each recogniser is one small
-function in ``_GATHERS``; a new gather spelling is one more entry.
+function in ``GATHERS``; a new gather spelling is one more entry.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _gather_take(node: fx.Node) -> Gather | str:
     return replace(found, merged_rows=True) if isinstance(found, Gather) else found
 
 
-_GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
+GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
     "getitem": _gather_getitem,
     "index_select": _gather_index_select,
     "gather": _gather_gather,
@@ -238,7 +238,7 @@ def walk(node: object, what: str) -> Trace | str:
     cur = node
     while True:
         op = op_of(cur)
-        recognise = _GATHERS.get(op)
+        recognise = GATHERS.get(op)
         found = recognise(cur) if recognise else None
         if isinstance(found, Gather):
             return Trace(found, tuple(reversed(steps)))

@@ -5,7 +5,7 @@ seq_lens[:, None]`` as a bool mask, or turned additive (0 / -inf) with ``where``
 ``masked_fill``, broadcast over heads and queries. Only that exact meaning is read as
 seq_lens; anything else (an off-by-one ``<=``, a finite penalty, ALiBi, finfo.min for masked
 keys) is passed through as attn_bias, which is always correct. Each spelling is one entry of
-``_COMPARES`` (the bool core) or ``_ADDITIVE`` (0 / -inf from it).
+``COMPARES`` (the bool core) or ``ADDITIVE`` (0 / -inf from it).
 """
 
 from __future__ import annotations
@@ -131,13 +131,13 @@ def _not(node: fx.Node) -> _Core | None:
 
 
 # Bool spellings of "key j against seq_lens[b]".
-_COMPARES: dict[str, Callable[[fx.Node], _Core | None]] = {
+COMPARES: dict[str, Callable[[fx.Node], _Core | None]] = {
     "lt": _less, "gt": _greater, "ge": _greater_equal, "logical_not": _not,
 }
 
 
 def _compare(node: object) -> _Core | None:
-    recognise = _COMPARES.get(op_of(node))
+    recognise = COMPARES.get(op_of(node))
     return recognise(node) if recognise else None
 
 
@@ -176,7 +176,7 @@ def _masked_fill(node: fx.Node) -> _Core | str | None:
 
 
 # Additive spellings: 0 where the core keeps a key, -inf where it masks it.
-_ADDITIVE: dict[str, Callable[[fx.Node], _Core | str | None]] = {
+ADDITIVE: dict[str, Callable[[fx.Node], _Core | str | None]] = {
     "where": _where, "masked_fill": _masked_fill,
 }
 
@@ -192,7 +192,7 @@ def read_mask(mask: fx.Node, batch: object, key_len: object) -> MaskReading:
         if bool_mask:
             found_core = _compare(node)
         else:
-            additive = _ADDITIVE.get(op_of(node))
+            additive = ADDITIVE.get(op_of(node))
             found_core = additive(node) if additive else None
         return found_core.layout if isinstance(found_core, _Core) and found_core.keep else None
 
