@@ -12,7 +12,9 @@ from helpers.differential import differential
 
 import pagedfuse
 from pagedfuse.graph.effects import GraphEffects, node_storages, same_value, written_args
+from pagedfuse.patterns import PAGED_SDPA
 from pagedfuse.patterns.paged_sdpa import preconditions, sdpa_semantics
+from pagedfuse.rewrite.engine import rewrite_graph
 
 
 def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
@@ -200,6 +202,24 @@ def test_one_query_row_over_many_key_value_rows_is_a_named_check():
     q, kc, vc, bt = _inputs()
     _kept(differential(fn, (q[:1], kc, vc, bt)), "batch",
           "one query batch row is broadcast over a K/V batch of 2")
+
+
+def test_a_table_on_another_device_is_a_named_check():
+    """Eager indexes a cache with a table on another device (a CUDA cache, a host table);
+    the op cannot. Shown with the table's recorded value moved to the meta device."""
+
+    def fn(q, kc, vc, bt):
+        return F.scaled_dot_product_attention(q, _bhld(kc[bt]), _bhld(vc[bt]), enable_gqa=True)
+
+    gm = dynamo_graph(fn, *_inputs())
+    table = next(n for n in gm.graph.nodes if n.name == "l_bt_")
+    value = table.meta["example_value"]
+    table.meta["example_value"] = value.fake_mode.from_tensor(
+        torch.empty(value.shape, dtype=value.dtype, device="meta"), static_shapes=True)
+    report, swaps = rewrite_graph(gm, [PAGED_SDPA])
+    failed = report.sites[0].first_failure
+    assert swaps == [] and failed.name == "devices", failed
+    assert failed.reason.startswith("block table l_bt_ is on meta, the query on cpu")
 
 
 def test_sdpa_on_the_cpu_gives_fully_masked_rows_zeros_as_the_op_does():

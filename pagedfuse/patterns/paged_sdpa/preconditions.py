@@ -196,6 +196,25 @@ def _batch_passes(match: Match) -> str:
     return f"K/V batch 1 broadcast over {queries} query rows (the block table is expanded)"
 
 
+def _devices(match: Match) -> str | None:
+    """Eager may index a cache with a table on another device; the op takes every tensor on
+    the query's device."""
+    site = _site(match)
+    device = site.q_fake.device
+    traces = [("key cache", site.key.trace), ("value cache", site.value.trace)]
+    tensors = [(what, t.gather.source) for what, t in traces]
+    tensors += [(f"{what} scale", t.scale.gather.source) for what, t in traces if t.scale]
+    tensors += [("block table", site.index), ("attn_mask", site.mask)]
+    if site.length_mask:
+        tensors.append(("seq_lens", site.mask_reading.seq_lens))
+    for what, node in tensors:
+        value = fake(node)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            return (f"{what} {node.name} is on {value.device}, the query on {device}; the op "
+                    "takes every tensor on the query's device")
+    return None
+
+
 def _block_size(match: Match) -> str | None:
     bs = _site(match).size("slot")
     return None if static_int(bs) else f"block_size {bs} is dynamic; it must be fixed"
@@ -345,6 +364,7 @@ PRECONDITIONS = (
     Precondition("value cache", _value_cache, lambda m: "value cache shaped like the key cache"),
     Precondition("scales", _scales, lambda m: "one scale per token and head, or none"),
     Precondition("batch", _batch, _batch_passes),
+    Precondition("devices", _devices, lambda m: f"all on {_site(m).q_fake.device}"),
     Precondition("block_size", _block_size, lambda m: f"block_size {_site(m).size('slot')}"),
     Precondition("cache strides", _strides, lambda m: "innermost dim contiguous, rows aligned"),
     Precondition("mask", _mask, _mask_passes),
