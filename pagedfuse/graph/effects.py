@@ -30,11 +30,9 @@ _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand,
     operator.ior, operator.ixor, operator.ilshift, operator.irshift})
-# Functions that write without saying so in their name: running statistics in training.
-_HIDDEN_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
-    "batch_norm": ((1, "running_mean"), (2, "running_var")),
-    "instance_norm": ((1, "running_mean"), (2, "running_var")),
-}
+# Functions that write without saying so in their name (running statistics in training;
+# where they sit depends on the spelling): taken to write every tensor argument.
+_HIDDEN_WRITES = frozenset({"batch_norm", "instance_norm"})
 _PURE_MODULES = ("torch", "_operator", "operator", "math", "builtins")
 
 
@@ -98,8 +96,8 @@ def written_args(node: fx.Node) -> list[object] | None:
         written.append(node.args[0] if node.args else node.kwargs.get("input"))
     if "out" in node.kwargs:
         written.append(node.kwargs["out"])
-    for i, key in _HIDDEN_WRITES.get(name, ()):
-        written.append(node.args[i] if i < len(node.args) else node.kwargs.get(key))
+    if name in _HIDDEN_WRITES:
+        written.extend(node.all_input_nodes)
     return written
 
 
