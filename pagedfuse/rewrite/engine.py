@@ -80,11 +80,12 @@ def _rewrite_site(gm: fx.GraphModule, effects: GraphEffects, anchor: fx.Node,
 def _created(gm: fx.GraphModule) -> Iterator[list[fx.Node]]:
     """The nodes created in ``gm``'s graph inside the block, in creation order."""
     created: list[fx.Node] = []
-    gm._register_create_node_hook(created.append)
+    hook = created.append
+    gm._register_create_node_hook(hook)
     try:
         yield created
     finally:
-        gm._unregister_create_node_hook(created.append)
+        gm._unregister_create_node_hook(hook)
 
 
 def _replace(gm: fx.GraphModule, effects: GraphEffects, pattern: Pattern,

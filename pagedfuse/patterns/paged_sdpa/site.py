@@ -51,8 +51,8 @@ class PagedSite:
         return self.mask_reading is not None and self.mask_reading.seq_lens is not None
 
     def reads(self) -> set[fx.Node]:
-        """The nodes eager evaluates from the cache, table, scales and lengths before the
-        attention: where it reads them, where the op would read them at the attention."""
+        """The nodes eager evaluates from the caches, table, scales and lengths on the way to
+        the attention: eager reads those inputs there, the op only at the attention."""
         found = self.key.trace.reads() | self.value.trace.reads()
         return found | self.mask_reading.nodes if self.length_mask else found
 
