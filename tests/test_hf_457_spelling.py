@@ -16,6 +16,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.capture import Capture, count_calls
 
 import pagedfuse
 
@@ -24,30 +25,6 @@ NUM_SLOTS = 64  # cache rows, fixed like transformers' preallocated cache
 SCALE = 0.2
 # How each spelling writes the cache, as the FX node target Dynamo records for it.
 WRITE_TARGETS = {"setitem": operator.setitem, "index_copy_": "index_copy_"}
-
-
-class GraphCapture:
-    """An inner backend that records the graphs pagedfuse hands on, then runs them eagerly."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __deepcopy__(self, memo) -> GraphCapture:
-        return self  # transformers' CompileConfig.to_dict() deep-copies the backend
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        self.graphs.append(gm)
-        return gm.forward
-
-
-def count_calls(gm: torch.fx.GraphModule, target) -> int:
-    """Nodes calling `target`: a function/op (any overload of an op packet) or a method name."""
-    return sum(
-        1
-        for n in gm.graph.nodes
-        if n.op in ("call_function", "call_method")
-        and (n.target == target or getattr(n.target, "overloadpacket", None) is target)
-    )
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -166,7 +143,7 @@ def test_packed_step_is_rewritten_and_matches_eager(spelling):
     torch._dynamo.reset()
     pagedfuse.clear_reports()
     module = SlotCacheAttention(spelling)
-    inner = GraphCapture()
+    inner = Capture()
     compiled = torch.compile(module, backend=pagedfuse.backend(inner=inner), dynamic=False)
     args = packed_batch([(5, 3), (0, 6), (9, 1)], pad_q=2, pad_k=4, seed=1)
 
@@ -185,7 +162,7 @@ def test_changing_lengths_share_one_dynamic_rewritten_graph(spelling):
     torch._dynamo.reset()
     pagedfuse.clear_reports()
     module = SlotCacheAttention(spelling)
-    inner = GraphCapture()
+    inner = Capture()
     compiled = torch.compile(module, backend=pagedfuse.backend(inner=inner))
     batches = [
         packed_batch([(4, 4), (7, 1)], pad_q=3, pad_k=2, seed=2),

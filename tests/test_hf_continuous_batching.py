@@ -20,7 +20,7 @@ import pagedfuse
 transformers = pytest.importorskip("transformers", minversion="5.12")
 pytest.importorskip("psutil")  # continuous batching needs it on the CPU
 
-from test_hf_457_spelling import GraphCapture, count_calls  # noqa: E402
+from helpers.capture import Capture, count_calls  # noqa: E402
 from transformers.generation.configuration_utils import (  # noqa: E402
     CompileConfig,
     ContinuousBatchingConfig,
@@ -118,10 +118,10 @@ def test_generate_batch_is_rewritten_with_identical_tokens(name, device):
     model = build_model(name, device)
     expected = generate_one_by_one(model)
 
-    plain = GraphCapture()
+    plain = Capture()
     without_pagedfuse = generate_batch(model, plain)
     pagedfuse.clear_reports()
-    inner = GraphCapture()
+    inner = Capture()
     with_pagedfuse = generate_batch(model, pagedfuse.backend(inner=inner, verify=True))
 
     assert all(len(tokens) == MAX_NEW_TOKENS for tokens in with_pagedfuse)

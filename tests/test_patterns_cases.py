@@ -1,225 +1,16 @@
-"""Shared by the rewrite tests: paged-attention functions written in plain PyTorch in every
-spelling the matcher accepts, random paged caches, and a capturing inner compiler. The tests
-here check the builders themselves against the op reference (the oracle)."""
+"""The program builders the rewrite tests share (tests/helpers/programs.py), checked against
+the op reference (the oracle)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers.programs import Spec, attention, make_case
 from numerics import max_rel_err as rel_err
 
-import pagedfuse
 from pagedfuse.ops import paged_attention_reference
-
-SDPA = torch._C._nn.scaled_dot_product_attention
-PAGED = (torch.ops.pagedfuse.paged_attention.default,
-         torch.ops.pagedfuse.paged_attention_int8.default)
-
-
-@dataclass(frozen=True)
-class Spec:
-    gather: str = "getitem"  # getitem | getitem_slices | index_select | torch_gather |
-    #                          take_along_dim | take
-    layout: str = "NHD"  # NHD | HND cache
-    view: str = "flatten"  # flatten: flatten+transpose | permute: permute+reshape
-    gqa: str = "enable_gqa"  # enable_gqa | repeat_interleave | repeat_kv | mha
-    dequant: str = "none"  # none|to_mul|promote|scale_first|float_then_to|to_mul_fp_value
-    mask: str = "bool"  # none | bool | where | masked_fill | alibi | causal | offbyone
-    scale: str = "default"  # default | float | item
-    dtype: torch.dtype = torch.float32
-    dropout: float = 0.0
-
-
-@dataclass
-class Case:
-    q: torch.Tensor
-    kc: torch.Tensor
-    vc: torch.Tensor
-    bt: torch.Tensor
-    sl: torch.Tensor
-    ks: torch.Tensor
-    vs: torch.Tensor
-    bias: torch.Tensor
-    scale: torch.Tensor
-
-    def args(self) -> tuple:
-        return (self.q, self.kc, self.vc, self.bt, self.sl, self.ks, self.vs, self.bias,
-                self.scale)
-
-
-def make_case(spec: Spec, batch: int = 3, q_len: int = 1, q_heads: int = 8, kv_heads: int = 2,
-              head_dim: int = 64, block_size: int = 4, blocks: int = 3, num_blocks: int = 16,
-              seed: int = 0) -> Case:
-    """Random data everywhere (never zeros); a block table that is a random permutation."""
-    g = torch.Generator().manual_seed(seed)
-    if spec.gqa == "mha":
-        kv_heads = q_heads
-    keys = blocks * block_size
-    if spec.mask == "causal":
-        q_len = keys
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    if spec.layout == "HND":
-        shape = (num_blocks, kv_heads, block_size, head_dim)
-    scale_shape = shape[:3]
-    int8 = spec.dequant != "none"
-    if int8:
-        kc = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        vc = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        if spec.dequant == "to_mul_fp_value":
-            vc = torch.randn(shape, generator=g).to(spec.dtype)
-    else:
-        kc = torch.randn(shape, generator=g).to(spec.dtype)
-        vc = torch.randn(shape, generator=g).to(spec.dtype)
-    ks = torch.rand(scale_shape, generator=g) * 0.02 + 0.005
-    vs = torch.rand(scale_shape, generator=g) * 0.02 + 0.005
-    bt = torch.randperm(num_blocks, generator=g)[:batch * blocks].view(batch, blocks)
-    sl = torch.randint(q_len, keys + 1, (batch,), generator=g)
-    sl[0] = keys
-    q = torch.randn(batch, q_heads, q_len, head_dim, generator=g).to(spec.dtype)
-    slopes = 2.0 ** (-8.0 * torch.arange(1, q_heads + 1) / q_heads)
-    pos = torch.arange(keys).float()
-    bias = (slopes[:, None, None] * (pos - keys + 1)).expand(q_heads, q_len, keys)
-    bias = bias[None].to(spec.dtype).contiguous()
-    return Case(q, kc, vc, bt, sl, ks, vs, bias, torch.tensor(0.3))
-
-
-def _gather(spec: Spec, cache: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-    """[B, M, bs, H, ...] (NHD) or [B, M, H, bs, ...] (HND) pages; flat gathers (NHD only)
-    read per token: [B, L, H, ...]."""
-    if spec.gather == "getitem":
-        return cache[bt]
-    if spec.gather == "getitem_slices":
-        return cache[bt, :, :] if cache.dim() == 3 else cache[bt, :, :, :]
-    bs = cache.shape[1]
-    flat = cache.flatten(0, 1)
-    slots = (bt[:, :, None] * bs + torch.arange(bs)).view(bt.shape[0], -1)  # [B, L]
-    if spec.gather == "index_select":
-        rows = torch.index_select(flat, 0, slots.view(-1))
-    elif spec.gather == "take_along_dim":
-        rows = torch.take_along_dim(flat, slots.view(-1).view(-1, *(1,) * (flat.dim() - 1)), 0)
-    elif spec.gather == "take":  # element offsets of whole rows; rows arrive flattened
-        row = flat[0].numel()
-        rows = torch.take(flat, slots[..., None] * row + torch.arange(row))
-    else:
-        index = slots.view(-1).view(-1, *(1,) * (flat.dim() - 1)).expand(-1, *flat.shape[1:])
-        rows = torch.gather(flat, 0, index)
-    return rows.view(bt.shape[0], -1, *cache.shape[2:])  # [B, L, H, ...]
-
-
-def _to_bhld(spec: Spec, pages: torch.Tensor) -> torch.Tensor:
-    b = pages.shape[0]
-    if pages.dim() == 4:  # per-token rows [B, L, H, D]
-        return pages.transpose(1, 2)
-    if spec.layout == "HND":  # [B, M, H, bs, D]
-        return pages.permute(0, 2, 1, 3, 4).reshape(b, pages.shape[2], -1, pages.shape[-1])
-    if spec.view == "permute":  # [B, M, bs, H, D]
-        return pages.permute(0, 3, 1, 2, 4).reshape(b, pages.shape[3], -1, pages.shape[-1])
-    return pages.flatten(1, 2).transpose(1, 2)
-
-
-def _dequant(spec: Spec, pages: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    s = scales.unsqueeze(-1)
-    if spec.dequant in ("to_mul", "to_mul_fp_value"):
-        return pages.to(spec.dtype) * s.to(spec.dtype)
-    if spec.dequant == "promote":
-        return (pages * s).to(spec.dtype)
-    if spec.dequant == "scale_first":
-        return s.to(spec.dtype) * pages.to(spec.dtype)
-    return (pages.float() * s).to(spec.dtype)
-
-
-def _expand_heads(spec: Spec, x: torch.Tensor, group: int) -> torch.Tensor:
-    b, h, n, d = x.shape
-    if spec.gqa == "repeat_interleave":
-        return x.repeat_interleave(group, dim=1)
-    if spec.gqa == "repeat_kv":
-        return x[:, :, None, :, :].expand(b, h, group, n, d).reshape(b, h * group, n, d)
-    return x
-
-
-def _mask(spec: Spec, valid: torch.Tensor, sl: torch.Tensor, bias: torch.Tensor | None,
-          dtype: torch.dtype) -> torch.Tensor | None:
-    """SDPA's attn_mask for ``spec`` from the [B, L] validity ``arange(L) < sl[:, None]``."""
-    additive = torch.where(valid, 0.0, float("-inf"))[:, None, None, :].to(dtype)
-    if spec.mask == "bool":
-        return valid[:, None, None, :]
-    if spec.mask == "where":
-        return additive
-    if spec.mask == "masked_fill":
-        return torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, float("-inf"))[
-            :, None, None, :]
-    if spec.mask == "offbyone":
-        keys = torch.arange(valid.shape[1], device=valid.device)
-        return torch.where(keys <= sl[:, None], 0.0, float("-inf"))[:, None, None, :].to(dtype)
-    if spec.mask == "alibi":
-        return bias + additive
-    return None  # "none", "causal"
-
-
-def attention(spec: Spec):
-    """The model function for ``spec``: plain PyTorch paged attention."""
-
-    def fn(q, kc, vc, bt, sl, ks, vs, bias, scale_t):
-        scale = {"default": None, "float": 0.3, "item": None}[spec.scale]
-        dropout = {"dropout_p": spec.dropout} if spec.dropout else {}
-        if spec.scale == "item":
-            scale = scale_t.item()
-        k_pages, v_pages = _gather(spec, kc, bt), _gather(spec, vc, bt)
-        if spec.dequant != "none":
-            k_pages = _dequant(spec, k_pages, _gather(spec, ks, bt))
-            if v_pages.dtype == torch.int8:
-                v_pages = _dequant(spec, v_pages, _gather(spec, vs, bt))
-        k, v = _to_bhld(spec, k_pages), _to_bhld(spec, v_pages)
-        group = q.shape[1] // k.shape[1]
-        k, v = _expand_heads(spec, k, group), _expand_heads(spec, v, group)
-        keys = k.shape[2]
-        valid = torch.arange(keys, device=q.device) < sl[:, None]
-        mask = _mask(spec, valid, sl, bias, q.dtype)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=spec.mask == "causal", scale=scale,
-            enable_gqa=spec.gqa == "enable_gqa", **dropout)
-
-    return fn
-
-
-class Capture:
-    """An inner compiler that keeps every graph it is handed and runs it eagerly."""
-
-    def __init__(self):
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def count(self, *targets) -> int:
-        return sum(n.op == "call_function" and n.target in targets
-                   for gm in self.graphs for n in gm.graph.nodes)
-
-    def code(self) -> str:
-        return "\n".join(gm.code for gm in self.graphs)
-
-
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-INT8_TOL = 5e-2
-
-
-def compile_and_compare(spec: Spec, case: Case | None = None, **backend_kwargs):
-    """Compile ``attention(spec)`` with a capturing inner; return (capture, report, error)."""
-    torch._dynamo.reset()
-    case = case or make_case(spec)
-    fn = attention(spec)
-    capture = Capture()
-    pagedfuse.clear_reports()
-    backend = pagedfuse.backend(inner=capture, **backend_kwargs)
-    got = torch.compile(fn, backend=backend)(*case.args())
-    want = fn(*case.args())
-    report = pagedfuse.Report.merged(pagedfuse.reports())
-    return capture, report, rel_err(got, want)
 
 
 @pytest.mark.parametrize("spec", [Spec(), Spec(layout="HND", gqa="repeat_kv"),
@@ -227,7 +18,7 @@ def compile_and_compare(spec: Spec, case: Case | None = None, **backend_kwargs):
                                   Spec(gather="torch_gather", view="permute")],
                          ids=["nhd", "hnd", "index_select", "torch_gather"])
 def test_plain_pytorch_spelling_matches_the_op_reference(spec):
-    """The builders above compute paged attention as the op defines it."""
+    """The builders compute paged attention as the op defines it."""
     case = make_case(spec)
     got = attention(spec)(*case.args())
     kc, vc = (c.transpose(1, 2) if spec.layout == "HND" else c for c in (case.kc, case.vc))

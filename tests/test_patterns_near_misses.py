@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from test_patterns_cases import (
+from helpers.capture import Capture
+from helpers.programs import (
     PAGED,
     SDPA,
     TOL,
-    Capture,
     Spec,
     attention,
     compile_and_compare,
     make_case,
-    rel_err,
 )
+from numerics import max_rel_err as rel_err
 
 import pagedfuse
 from pagedfuse.patterns import PAGED_SDPA

@@ -7,17 +7,17 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from test_patterns_cases import (
+from helpers.capture import Capture
+from helpers.programs import (
     INT8_TOL,
     PAGED,
     SDPA,
     TOL,
-    Capture,
     Spec,
     compile_and_compare,
     make_case,
-    rel_err,
 )
+from numerics import max_rel_err as rel_err
 
 import pagedfuse
 
@@ -87,7 +87,9 @@ def _op_node(capture):
 def test_length_mask_becomes_seq_lens_not_a_bias():
     capture, report, _ = compile_and_compare(Spec(mask="where"))
     node = _op_node(capture)
-    assert node.args[4].name == "l_sl_"  # seq_lens is the user's lengths tensor
+    seq_lens = node.args[4]  # the user's lengths, clamped to the gathered keys as the mask is
+    assert seq_lens.target == "clamp" and seq_lens.args == (seq_lens.args[0], 0, 12)
+    assert seq_lens.args[0].name == "l_sl_"
     assert node.args[8] is None  # no attn_bias
     mask_check = next(c for c in report.sites[0].checks if c.name == "mask")
     assert "length mask" in mask_check.reason

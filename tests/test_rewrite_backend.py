@@ -10,17 +10,17 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_patterns_cases import (
+from helpers.capture import Capture
+from helpers.programs import (
     INT8_TOL,
     PAGED,
     SDPA,
     TOL,
-    Capture,
     Spec,
     attention,
     make_case,
-    rel_err,
 )
+from numerics import max_rel_err as rel_err
 
 import pagedfuse
 from pagedfuse.patterns import PAGED_SDPA, Match, Pattern, Precondition, unregister_pattern
@@ -166,7 +166,7 @@ def test_explain_reports_without_compiling():
     head_dim = next(c for c in site.checks if c.name == "head_dim")
     assert not head_dim.passed
     assert head_dim.reason == "head_dim 96 not in {64, 128, 256} for paged_attention_int8 on cpu"
-    assert "FAIL head_dim" in str(report) and "test_patterns_cases.py:" in site.site
+    assert "FAIL head_dim" in str(report) and "programs.py:" in site.site  # the user's source line
     d = report.to_dict()
     assert d["num_sites"] == 1 and d["sites"][0]["checks"][0]["name"] == "match"
 

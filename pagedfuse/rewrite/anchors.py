@@ -7,7 +7,7 @@ import re
 
 import torch.fx as fx
 
-from pagedfuse.patterns.spelling import SDPA, op_of
+from pagedfuse.graph.ops import SDPA, op_of
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from pagedfuse.graph.effects import GraphEffects
 from pagedfuse.patterns import Pattern, registered_patterns
 from pagedfuse.rewrite.engine import rewrite_graph
-from pagedfuse.rewrite.report import Report, record, reports
+from pagedfuse.rewrite.report import Report, record
 from pagedfuse.rewrite.verify import copy_module, verifying
 
 log = logging.getLogger("pagedfuse")
@@ -89,9 +91,45 @@ def pagedfuse_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -
     return backend(**kwargs)(gm, example_inputs)
 
 
+# The reports of the graphs run during the current explain() call (None outside one).
+_explained: ContextVar[list[Report] | None] = ContextVar("pagedfuse_explained", default=None)
+# One explain backend per pattern list: Dynamo keys its cache by the backend object, so
+# repeated explain() calls reuse the graphs they traced instead of piling up recompiles.
+_explain_backends: dict[tuple[int, ...], tuple[tuple[Pattern, ...], Compiler]] = {}
+
+
+def _explain_backend(patterns: tuple[Pattern, ...]) -> Compiler:
+    key = tuple(id(p) for p in patterns)  # the stored tuple keeps the ids from being reused
+    if key not in _explain_backends:
+
+        def explain_compile(gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
+            original = copy_module(gm)
+            report, _ = rewrite_graph(gm, patterns, _graph_name())
+            record(report)
+            written = set(GraphEffects(original.graph).written_inputs())
+
+            def run(*args: Any) -> Any:
+                ran = _explained.get()
+                if ran is not None and not any(r is report for r in ran):
+                    ran.append(report)
+                return original(*(a.clone() if i in written else a
+                                  for i, a in enumerate(args)))
+
+            return run
+
+        _explain_backends[key] = (patterns, explain_compile)
+    return _explain_backends[key][1]
+
+
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    """Trace ``fn(*args, **kwargs)`` with Dynamo, rewrite without compiling (eager inner),
-    and return the report of every graph it produced."""
-    start = len(reports())
-    torch.compile(fn, backend=backend(inner="eager"))(*args, **kwargs)
-    return Report.merged(reports()[start:])
+    """Trace ``fn(*args, **kwargs)`` with Dynamo and return the report of every graph it ran,
+    without compiling: each graph runs as written, on copies of the inputs it writes in
+    place, so the caller's tensors (caches included) are left as they were. (Python code
+    between graphs, around a graph break, runs as usual.)"""
+    ran: list[Report] = []
+    token = _explained.set(ran)
+    try:
+        torch.compile(fn, backend=_explain_backend(tuple(registered_patterns())))(*args, **kwargs)
+    finally:
+        _explained.reset(token)
+    return Report.merged(ran)

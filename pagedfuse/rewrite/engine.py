@@ -4,16 +4,18 @@ it was (a pattern that raises is reported, and anything it inserted is removed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from pagedfuse.patterns.axes import same_size
+from pagedfuse.graph.effects import GraphEffects, has_effects, tracking
+from pagedfuse.graph.layout import same_size
+from pagedfuse.graph.ops import fake
 from pagedfuse.patterns.base import Check, Match, Pattern
-from pagedfuse.patterns.spelling import fake, has_effects
 from pagedfuse.rewrite.anchors import find_anchors, site_name
 from pagedfuse.rewrite.report import Report, SiteReport
 
@@ -29,12 +31,15 @@ class Swap:
 
 def rewrite_graph(gm: fx.GraphModule, patterns: Sequence[Pattern],
                   graph_name: str = "") -> tuple[Report, list[Swap]]:
+    """Every site of ``gm`` in graph order; one effects index serves them all (a site's own
+    work is local to it, so the whole rewrite stays linear in the graph)."""
     report, swaps = Report(graph=graph_name), []
-    for anchor in find_anchors(gm.graph):
-        site, new = _rewrite_site(gm.graph, anchor, patterns)
-        report.sites.append(site)
-        if new is not None:
-            swaps.append(Swap(site, anchor.name, new))
+    with tracking(gm.graph) as effects:
+        for anchor in find_anchors(gm.graph):
+            site, new = _rewrite_site(gm, effects, anchor, patterns)
+            report.sites.append(site)
+            if new is not None:
+                swaps.append(Swap(site, anchor.name, new))
     if swaps:
         gm.graph.lint()
         gm.recompile()
@@ -53,13 +58,13 @@ def _attempt(pattern: Pattern, anchor: fx.Node) -> tuple[Match | None, list[Chec
     return (match if all(c.passed for c in checks) else None), checks
 
 
-def _rewrite_site(graph: fx.Graph, anchor: fx.Node,
+def _rewrite_site(gm: fx.GraphModule, effects: GraphEffects, anchor: fx.Node,
                   patterns: Sequence[Pattern]) -> tuple[SiteReport, fx.Node | None]:
     name = site_name(anchor)
     tried: list[SiteReport] = []
     for pattern in patterns:
         match, checks = _attempt(pattern, anchor)
-        new = _replace(graph, pattern, match) if match is not None else None
+        new = _replace(gm, effects, pattern, match) if match is not None else None
         if isinstance(new, fx.Node):
             return SiteReport(name, pattern.name, checks, match.replacement, True), new
         if isinstance(new, str):
@@ -71,20 +76,35 @@ def _rewrite_site(graph: fx.Graph, anchor: fx.Node,
     return next((t for t in tried if t.checks[0].passed), tried[0]), None
 
 
-def _replace(graph: fx.Graph, pattern: Pattern, match: Match) -> fx.Node | str:
+@contextmanager
+def _created(gm: fx.GraphModule) -> Iterator[list[fx.Node]]:
+    """The nodes created in ``gm``'s graph inside the block, in creation order."""
+    created: list[fx.Node] = []
+    hook = created.append
+    gm._register_create_node_hook(hook)
+    try:
+        yield created
+    finally:
+        gm._unregister_create_node_hook(hook)
+
+
+def _replace(gm: fx.GraphModule, effects: GraphEffects, pattern: Pattern,
+             match: Match) -> fx.Node | str:
     """Insert the replacement, trace it with fake tensors (so the op's own fake impl checks
     its arguments at compile time) and swap it in; on any failure remove what was inserted."""
-    before = set(graph.nodes)
-    try:
-        new = pattern.replace(graph, match)
-        if not isinstance(new, fx.Node):
-            raise TypeError(f"replace returned {type(new).__name__}, not an fx.Node")
-        _trace_fake([n for n in graph.nodes if n not in before], match.anchor)
-        _same_output(new, match.anchor)
-    except Exception as exc:
-        for node in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(node)
-        return f"pattern {pattern.name} failed to build its replacement: {exc}"
+    graph = gm.graph
+    with _created(gm) as inserted:
+        try:
+            new = pattern.replace(graph, match)
+            if not isinstance(new, fx.Node):
+                raise TypeError(f"replace returned {type(new).__name__}, not an fx.Node")
+            _trace_fake(inserted, match.anchor)
+            _same_output(new, match.anchor)
+        except Exception as exc:
+            for node in reversed(inserted):
+                graph.erase_node(node)
+            return f"pattern {pattern.name} failed to build its replacement: {exc}"
+    effects.note_inserted(inserted, match.anchor)
     match.anchor.replace_all_uses_with(new)
     _erase_dead(graph, match.anchor)
     return new

@@ -1,7 +1,8 @@
 """Verify mode (graph replay): on the first call of a compiled graph, run the original graph
 and the rewritten one eagerly on clones of the inputs (so in-place cache writes do not hit
 the real buffers twice), compare each rewritten site's output with the SDPA it replaced,
-record the error in the report, and raise past the tolerance."""
+record the error in the report, and raise past the tolerance. A graph that failed once is
+replayed on every later call for good: it never hands back a result unchecked."""
 
 from __future__ import annotations
 
@@ -58,12 +59,11 @@ def verifying(compiled: Callable, original: fx.GraphModule, rewritten: fx.GraphM
     """``compiled``, preceded on its first call by the replay check of every swap."""
     before = copy_module(original, [s.anchor_name for s in swaps])
     after = copy_module(rewritten, [s.replacement.name for s in swaps])
-    checked = False
+    state = "unchecked"  # then "passed" (no more replays) or "failed" (replay every call)
 
     def run(*args):
-        nonlocal checked
-        if not checked:
-            checked = True
+        nonlocal state
+        if state != "passed":
             with torch.no_grad():
                 want, got = before(*_clone(args)), after(*_clone(args))
             for swap, w, g in zip(swaps, want, got, strict=True):
@@ -71,9 +71,12 @@ def verifying(compiled: Callable, original: fx.GraphModule, rewritten: fx.GraphM
                 swap.report.verify_error = err
                 limit = tolerance(swap, w.dtype)
                 if not err <= limit:
+                    state = "failed"
                     raise VerificationError(
                         f"site {swap.report.site}: {swap.report.replacement} differs from the "
                         f"original subgraph by max relative error {err:.3g} > {limit:g}")
+            if state == "unchecked":
+                state = "passed"
         return compiled(*args)
 
     return run

@@ -1,9 +1,10 @@
 """Walk back from an SDPA key/value operand to the paged cache it was gathered from.
 
-The walk passes layout ops (axes.py), casts and dequant multiplies and stops at a gather
-recogniser. Going forward again, the named-axes interpreter proves the operand is
+The walk passes layout ops (graph/layout.py), casts and dequant multiplies and stops at a
+gather recogniser; a view that reinterprets the dtype ends it. Going forward again, the
+named-axes interpreter proves the operand is
 ``[batch, kv_head (x rep), position = (block, slot), head_dim]``. Each recogniser is one small
-function in ``_GATHERS``; a new gather spelling is one more entry.
+function in ``GATHERS``; a new gather spelling is one more entry.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from pagedfuse.graph.layout import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
+from pagedfuse.graph.ops import arg, describe, fake, op_of
 from pagedfuse.ops.validate import INDEX_DTYPES
-from pagedfuse.patterns.axes import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
-from pagedfuse.patterns.spelling import arg, describe, fake, op_of
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Gather:
     spelling: str
     flattened: bool = False  # the gather used ``index`` flattened to 1-D (batch*blocks rows)
     merged_rows: bool = False  # each picked row arrives flattened to one dim (torch.take)
+    # Nodes between ``source``/``index`` and the gather that eager evaluates (index
+    # arithmetic, flattened views): where eager reads the table, for the write checks.
+    index_path: frozenset[fx.Node] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,14 @@ class Trace:
                 found |= s.scale.nodes()
         return found
 
+    def reads(self) -> set[fx.Node]:
+        """Every node eager evaluates from the cache and table to the end of the trace."""
+        found = self.nodes() | self.gather.index_path
+        for s in self.steps:
+            if s.scale is not None:
+                found |= s.scale.reads()
+        return found
+
     @property
     def scale(self) -> Trace | None:
         return next((s.scale for s in self.steps if s.scale is not None), None)
@@ -65,9 +77,21 @@ class SourceView:
 
     name: str  # "NHD", "HND" or "flat" (block_size 1: one slot per row)
     layout: Layout  # of the gather's output under this hypothesis
-    # The method call (name, args) turning the source into the op's [N, bs, H, ...] view;
-    # None: the source is that view already.
+    # The method call (name, args) turning the source into the op's [N, bs, H, ...] view:
+    # ("transpose", (1, 2)) or ("unsqueeze", (1,)); None: the source is that view already.
     op_view: tuple[str, tuple[int, ...]] | None
+
+    def op_shape(self, shape: tuple) -> tuple:
+        """The source's ``shape`` as the op sees it."""
+        if self.op_view is None:
+            return shape
+        method, args = self.op_view
+        if method == "transpose":
+            d0, d1 = args
+            dims = list(range(len(shape)))
+            dims[d0], dims[d1] = d1, d0
+            return tuple(shape[d] for d in dims)
+        return shape[:args[0]] + (1,) + shape[args[0]:]  # unsqueeze
 
 
 def _int_index(node: object) -> str | None:
@@ -93,16 +117,18 @@ def _gather_getitem(node: fx.Node) -> Gather | str | None:
     return _flat_index(node, items[0], node.args[0], "cache[index]")
 
 
-def _flat_index(node: fx.Node, index: object, source: fx.Node, spelling: str) -> Gather | str:
-    """An index of rank 1 or 2; a [batch, blocks] table flattened to 1-D reads per batch."""
+def _flat_index(node: fx.Node, index: object, source: fx.Node, spelling: str,
+                path: frozenset[fx.Node] = frozenset()) -> Gather | str:
+    """An index of rank 1 or 2; a [batch, blocks] table flattened to 1-D reads per batch.
+    ``path``: the nodes between ``index``/``source`` and the gather."""
     reason = _int_index(index)
     if reason:
         return reason
     table = index.args[0] if op_of(index) in ("reshape", "flatten") else None
     if fake(index).dim() == 1 and table is not None and _int_index(table) is None and \
             fake(table).dim() == 2:
-        return Gather(node, source, table, spelling, flattened=True)
-    return Gather(node, source, index, spelling)
+        return Gather(node, source, table, spelling, flattened=True, index_path=path | {index})
+    return Gather(node, source, index, spelling, index_path=path)
 
 
 def _gather_index_select(node: fx.Node) -> Gather | str:
@@ -149,7 +175,7 @@ def _row_gather(node: fx.Node, index: object, spelling: str, broadcasts: bool) -
     if layout.dims[0] != rows.dims[0] or any(not a.startswith("rep")
                                              for d in layout.dims[1:] for a in d):
         return f"{describe(node)}: index varies along a dim other than 0"
-    return _flat_index(node, cur, source, spelling)
+    return _flat_index(node, cur, source, spelling, frozenset(path))
 
 
 def _adds_last_dim(before: torch.Size, after: torch.Size) -> bool:
@@ -158,9 +184,10 @@ def _adds_last_dim(before: torch.Size, after: torch.Size) -> bool:
         same_size(a, b) for a, b in zip(before, after, strict=False))
 
 
-def _row_offsets(index: object, row: object) -> fx.Node | None:
-    """``ids`` when ``index`` is ``ids[..., None] * row + arange(row)`` (either operand order):
-    the element offsets of whole rows ``ids`` of a cache whose rows hold ``row`` elements."""
+def _row_offsets(index: object, row: object) -> tuple[fx.Node, frozenset[fx.Node]] | None:
+    """``ids`` (and the nodes computing the offsets from it) when ``index`` is
+    ``ids[..., None] * row + arange(row)`` (either operand order): the element offsets of
+    whole rows ``ids`` of a cache whose rows hold ``row`` elements."""
     if op_of(index) != "add":
         return None
     for scaled, offsets in ((arg(index, "input"), arg(index, "other")),
@@ -176,26 +203,27 @@ def _row_offsets(index: object, row: object) -> fx.Node | None:
             continue
         inner = ids.args[0] if op_of(ids) in ("unsqueeze", "getitem", "reshape") else None
         if isinstance(inner, fx.Node) and _adds_last_dim(fake(inner).shape, fake(ids).shape):
-            return inner
+            return inner, frozenset({index, scaled, offsets, ids})
     return None
 
 
 def _gather_take(node: fx.Node) -> Gather | str:
     """``torch.take(cache, ids[..., None] * row + arange(row))``: whole rows by element offsets,
     each row arriving flattened (``row`` = elements per cache row)."""
-    source = arg(node, "input")
+    source, flat = arg(node, "input"), frozenset()
     if op_of(source) in ("reshape", "flatten") and fake(source).dim() == 1:
-        source = source.args[0]  # take reads the cache flattened anyway
+        source, flat = source.args[0], frozenset({source})  # take reads the cache flat anyway
     row = math.prod(fake(source).shape[1:])
-    ids = _row_offsets(arg(node, "index"), row)
-    if ids is None:
+    offsets = _row_offsets(arg(node, "index"), row)
+    if offsets is None:
         return (f"{describe(node)}: the index is not ids[..., None] * {row} + arange({row}), "
                 "whole rows of the cache")
-    found = _flat_index(node, ids, source, "torch.take(cache, row offsets)")
+    ids, path = offsets
+    found = _flat_index(node, ids, source, "torch.take(cache, row offsets)", path | flat)
     return replace(found, merged_rows=True) if isinstance(found, Gather) else found
 
 
-_GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
+GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
     "getitem": _gather_getitem,
     "index_select": _gather_index_select,
     "gather": _gather_gather,
@@ -210,7 +238,7 @@ def walk(node: object, what: str) -> Trace | str:
     cur = node
     while True:
         op = op_of(cur)
-        recognise = _GATHERS.get(op)
+        recognise = GATHERS.get(op)
         found = recognise(cur) if recognise else None
         if isinstance(found, Gather):
             return Trace(found, tuple(reversed(steps)))
@@ -221,6 +249,9 @@ def walk(node: object, what: str) -> Trace | str:
             cur = cur.args[0]
         elif op == "mul":
             return _walk_dequant(cur, steps, what)
+        elif op == "view_dtype":
+            return (f"{what}: {describe(cur)} reinterprets the {fake(cur.args[0]).dtype} bits "
+                    f"as {fake(cur).dtype}, a dtype view, not a layout op")
         else:
             return (f"{what} comes from {describe(cur)}, not from a gather through a block "
                     "table (a contiguous or unrecognised cache)")

@@ -2,7 +2,9 @@
 
 Sizes come from ``size`` nodes where they are dynamic, so the new nodes never specialise a
 dim; caches are handed to the op as views (an HND cache transposed, a flat slot cache with a
-block_size-1 dim), never copied.
+block_size-1 dim), never copied. Where SDPA's semantics go beyond the op's arguments, the
+replacement says the same thing in the op's terms: a K/V batch of 1 broadcast over the
+queries is an expanded table, a length mask over fewer keys than its lengths is clamped.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from pagedfuse.patterns.axes import static_int
+from pagedfuse.graph.layout import same_size, static_int
+from pagedfuse.graph.ops import arg, fake
 from pagedfuse.patterns.base import Match
-from pagedfuse.patterns.kv_trace import SourceView
-from pagedfuse.patterns.paged_site import PagedSite
-from pagedfuse.patterns.spelling import arg, fake
+from pagedfuse.patterns.paged_sdpa.kv_trace import SourceView
+from pagedfuse.patterns.paged_sdpa.site import PagedSite
 
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int) -> int | fx.Node:
@@ -42,13 +44,16 @@ def _op_view(graph: fx.Graph, source: fx.Node, view: SourceView) -> fx.Node:
 
 def _block_table(graph: fx.Graph, site: PagedSite) -> tuple[fx.Node, int | fx.Node,
                                                                int | fx.Node]:
-    """(block table [B, M], B, keys per sequence M * block_size)."""
+    """(block table [B, M], B, keys per sequence M * block_size), B the query batch."""
     table = site.index
     if fake(table).dim() == 2:
-        batch, blocks = _size(graph, table, 0), _size(graph, table, 1)
+        blocks = _size(graph, table, 1)
     else:  # per-token slots of one packed sequence
-        batch, blocks = 1, _size(graph, table, 0)
+        blocks = _size(graph, table, 0)
         table = graph.call_method("unsqueeze", (table, 0))
+    batch = _size(graph, site.query, 0)
+    if not same_size(site.q_fake.shape[0], site.size("batch")):  # one K/V row broadcast
+        table = graph.call_method("expand", (table, batch, blocks))
     return table, batch, _arith(graph, operator.mul, blocks, site.size("slot"))
 
 
@@ -56,9 +61,8 @@ def _masking(graph: fx.Graph, site: PagedSite, batch: int | fx.Node, keys: int |
              q_len: int | fx.Node) -> tuple[fx.Node, bool, fx.Node | None]:
     """(seq_lens, causal, attn_bias) expressing SDPA's attn_mask and is_causal."""
     device = site.q_fake.device
-    reading = site.mask_reading
-    if reading is not None and reading.seq_lens is not None:
-        return reading.seq_lens, False, None
+    if site.length_mask:  # the mask keeps j < len for the gathered keys j only
+        return graph.call_method("clamp", (site.mask_reading.seq_lens, 0, keys)), False, None
     seq_lens = graph.call_function(torch.full, ((batch,), keys),
                                    {"dtype": torch.int32, "device": device})
     if site.causal_as_bias:  # SDPA's top-left causal: query i sees keys j <= i

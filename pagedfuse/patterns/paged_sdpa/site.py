@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from pagedfuse.patterns.axes import Layout, same_size, show
+from pagedfuse.graph.effects import same_value
+from pagedfuse.graph.layout import Layout, same_size, show
+from pagedfuse.graph.ops import SDPA, arg, describe, fake, op_of
 from pagedfuse.patterns.base import Match
-from pagedfuse.patterns.kv_trace import Resolved, resolve, walk
-from pagedfuse.patterns.masks import MaskReading, read_mask
-from pagedfuse.patterns.spelling import SDPA, arg, describe, fake, op_of, same_value
+from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, resolve, walk
+from pagedfuse.patterns.paged_sdpa.masks import MaskReading, read_mask
 
 WANT = "[batch, kv_head, block*slot, head_dim]"
 
@@ -44,6 +45,16 @@ class PagedSite:
     @property
     def q_fake(self) -> torch.Tensor:
         return fake(self.query)
+
+    @property
+    def length_mask(self) -> bool:
+        return self.mask_reading is not None and self.mask_reading.seq_lens is not None
+
+    def reads(self) -> set[fx.Node]:
+        """The nodes eager evaluates from the caches, table, scales and lengths on the way to
+        the attention: eager reads those inputs there, the op only at the attention."""
+        found = self.key.trace.reads() | self.value.trace.reads()
+        return found | self.mask_reading.nodes if self.length_mask else found
 
     def size(self, atom: str) -> object:
         """Size of a K atom ("batch", "block", "slot", "head", "dim"); 1 where left out."""
@@ -109,7 +120,7 @@ def match_paged_sdpa(sdpa: fx.Node) -> Match | str:
     mask = arg(sdpa, "attn_mask")
     reading = None
     if isinstance(mask, fx.Node):
-        reading = read_mask(mask, key.final.size("batch"), _positions(key.final))
+        reading = read_mask(mask, q.shape[0], _positions(key.final))
     site = PagedSite(sdpa, query, key, value, mask, reading)
     region = frozenset(key.trace.nodes() | value.trace.nodes())
     return Match(sdpa, f"pagedfuse.{site.op}", _describe(site), region, site)

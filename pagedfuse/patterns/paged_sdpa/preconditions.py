@@ -11,14 +11,15 @@ import math
 import torch
 import torch.fx as fx
 
+from pagedfuse.graph.layout import is_one, same_size, static_int
+from pagedfuse.graph.ops import arg, describe, extra_kwargs, fake
+from pagedfuse.graph.region import escapes, stale_reads
 from pagedfuse.ops import head_dim_reason, kernel_devices
 from pagedfuse.ops.validate import FLOAT_DTYPES, check_strides, dtype_name
-from pagedfuse.patterns.axes import static_int
 from pagedfuse.patterns.base import Match, Precondition
-from pagedfuse.patterns.kv_trace import Resolved, SourceView
-from pagedfuse.patterns.paged_site import PagedSite
-from pagedfuse.patterns.region import escapes, written_between
-from pagedfuse.patterns.spelling import arg, extra_kwargs, fake
+from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, SourceView, Trace
+from pagedfuse.patterns.paged_sdpa.sdpa_semantics import fully_masked_rows
+from pagedfuse.patterns.paged_sdpa.site import PagedSite
 
 
 def _site(match: Match) -> PagedSite:
@@ -55,6 +56,23 @@ def _float_path(what: str, r: Resolved, qdtype: torch.dtype) -> str | None:
     return f"{what} is cast through {dtype_name(lossy[0])} (lossy)" if lossy else None
 
 
+# Casts that hold every int8 value exactly (uint8 wraps negatives; int8 itself is a no-op).
+_INT8_EXACT = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                         torch.bfloat16, torch.float32, torch.float64})
+
+
+def _casts(trace: Trace, before_scale: bool = False) -> list[torch.dtype]:
+    """dtypes the trace casts to, in order; with ``before_scale``, only those the data goes
+    through before its dequant multiply."""
+    found = []
+    for step in trace.steps:
+        if step.kind == "scale" and before_scale:
+            break
+        if step.kind == "cast":
+            found.append(fake(step.node).dtype)
+    return found
+
+
 def _int8_path(what: str, r: Resolved) -> str | None:
     scale = r.trace.scale
     if scale is None:
@@ -62,6 +80,13 @@ def _int8_path(what: str, r: Resolved) -> str | None:
     sdtype = fake(scale.gather.source).dtype
     if sdtype != torch.float32:
         return f"{what} scale is {dtype_name(sdtype)}; the int8 kernels take float32 scales"
+    inexact = [d for d in _casts(r.trace, before_scale=True) if d not in _INT8_EXACT]
+    if inexact:
+        return f"{what}: the int8 data is cast to {dtype_name(inexact[0])} before the dequant, " \
+               "which changes its values"
+    not_float = [d for d in _casts(scale) if not d.is_floating_point]
+    if not_float:
+        return f"{what} scale is cast to {dtype_name(not_float[0])}, which changes its values"
     return None
 
 
@@ -111,6 +136,83 @@ def _gqa(match: Match) -> str | None:
 def _gqa_passes(match: Match) -> str:
     site = _site(match)
     return f"{site.q_fake.shape[1]} query heads over {site.size('head')} KV heads"
+
+
+def _op_view_shape(source: fx.Node, view: SourceView) -> tuple:
+    return view.op_shape(tuple(fake(source).shape))
+
+
+def _differs(a: tuple, b: tuple) -> bool:
+    return len(a) != len(b) or not all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _value_cache(match: Match) -> str | None:
+    """The op reads K and V through one geometry and gives the query's head_dim back."""
+    site = _site(match)
+    k = _op_view_shape(site.key.trace.gather.source, site.key.view)
+    v = _op_view_shape(site.value.trace.gather.source, site.value.view)
+    if not same_size(k[3], v[3]):
+        return (f"value head_dim {v[3]} differs from the key's {k[3]}; the op's output has the "
+                "query's head_dim")
+    if _differs(k[:3], v[:3]):
+        return (f"value cache is {tuple(v[:3])} (num_blocks, block_size, kv_heads), the key "
+                f"cache {tuple(k[:3])}; the op reads both through one geometry")
+    return None
+
+
+def _scales(match: Match) -> str | None:
+    """A dequant scale holds one value per token and head of its cache."""
+    site = _site(match)
+    for what, r in (("key", site.key), ("value", site.value)):
+        scale = r.trace.scale
+        if scale is None:
+            continue
+        data = _op_view_shape(r.trace.gather.source, r.view)[:3]
+        got = _op_view_shape(scale.gather.source, r.scale_view)
+        if _differs(got, data):
+            return (f"{what} scale is {tuple(got)}, not one value per token and head of the "
+                    f"{what} cache {tuple(data)}")
+    return None
+
+
+def _batch(match: Match) -> str | None:
+    """SDPA broadcasts a K/V batch of 1 over the queries (the table is expanded for the op);
+    a query batch of 1 over many K/V batches has no per-sequence form."""
+    site = _site(match)
+    queries, kv = site.q_fake.shape[0], site.size("batch")
+    if same_size(queries, kv) or is_one(kv):
+        return None
+    if is_one(queries):
+        return (f"one query batch row is broadcast over a K/V batch of {kv}; the op takes one "
+                "query row per sequence")
+    return f"query batch {queries} and K/V batch {kv} are not known to be equal"
+
+
+def _batch_passes(match: Match) -> str:
+    site = _site(match)
+    queries, kv = site.q_fake.shape[0], site.size("batch")
+    if same_size(queries, kv):
+        return f"batch {queries}"
+    return f"K/V batch 1 broadcast over {queries} query rows (the block table is expanded)"
+
+
+def _devices(match: Match) -> str | None:
+    """Eager may index a cache with a table on another device; the op takes every tensor on
+    the query's device."""
+    site = _site(match)
+    device = site.q_fake.device
+    traces = [("key cache", site.key.trace), ("value cache", site.value.trace)]
+    tensors = [(what, t.gather.source) for what, t in traces]
+    tensors += [(f"{what} scale", t.scale.gather.source) for what, t in traces if t.scale]
+    tensors += [("block table", site.index), ("attn_mask", site.mask)]
+    if site.length_mask:
+        tensors.append(("seq_lens", site.mask_reading.seq_lens))
+    for what, node in tensors:
+        value = fake(node)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            return (f"{what} {node.name} is on {value.device}, the query on {device}; the op "
+                    "takes every tensor on the query's device")
+    return None
 
 
 def _block_size(match: Match) -> str | None:
@@ -166,6 +268,27 @@ def _mask_passes(match: Match) -> str:
     return f"attn_bias = {site.mask.name} (not a length mask: {site.mask_reading.why_bias})"
 
 
+def _masked_rows(match: Match) -> str | None:
+    """The op gives a row with no visible key zeros; where a mask may hide every key of a
+    row, SDPA on this device must give zeros too."""
+    site = _site(match)
+    if site.mask is None:
+        return None
+    got = fully_masked_rows(site.q_fake.device, site.q_fake.dtype, fake(site.mask).dtype,
+                            static_int(site.size("dim")) or 64)
+    if got == "zeros":
+        return None
+    return (f"SDPA on {site.q_fake.device.type} gives a fully masked row {got}, the op zeros; "
+            f"the mask {site.mask.name} may hide every key of a row")
+
+
+def _masked_rows_passes(match: Match) -> str:
+    site = _site(match)
+    if site.mask is None:
+        return "no mask: every row sees a key"
+    return f"SDPA on {site.q_fake.device.type} gives a fully masked row zeros, as the op does"
+
+
 def _causal_passes(match: Match) -> str:
     site = _site(match)
     if not arg(site.sdpa, "is_causal", False):
@@ -193,32 +316,35 @@ def _scale_passes(match: Match) -> str:
 
 
 def _self_contained(match: Match) -> str | None:
-    site = _site(match)
-    gathers = {r.trace.gather.node for r in (site.key, site.value)}
-    return escapes(site.sdpa.graph, set(match.region), gathers, site.sdpa)
+    return escapes(match.region, _site(match).sdpa)
 
 
 def _no_write_in_between(match: Match) -> str | None:
     site = _site(match)
-    traces = [site.key.trace, site.value.trace]
-    traces += [t.scale for t in traces if t.scale is not None]
-    tensors = {t.gather.source for t in traces} | {site.index}
-    return written_between(site.sdpa.graph, tensors, [t.gather.node for t in traces], site.sdpa)
+    return stale_reads(site.reads(), site.sdpa)
+
+
+def _requires_grad(node: object) -> bool:
+    return bool(getattr(fake(node), "requires_grad", False))
 
 
 def _no_grad_needed(match: Match) -> str | None:
-    """The ops have no backward: fuse only where autograd will not need one (no_grad,
-    inference_mode, or inputs that do not require grad)."""
+    """The ops have no backward: fuse only where autograd will not need one. Decided by the
+    attention's own fake output (grad mode and inputs where it runs), not the global mode at
+    compile time."""
     site = _site(match)
-    if not torch.is_grad_enabled():
+    if not _requires_grad(site.sdpa):
         return None
-    tensors = [site.query] + [r.trace.gather.source for r in (site.key, site.value)]
-    tensors += [r.trace.scale.gather.source for r in (site.key, site.value) if r.trace.scale]
-    needs = [t.name for t in tensors if getattr(fake(t), "requires_grad", False)]
-    if needs:
-        return (f"{', '.join(needs)} require grad and the pagedfuse ops have no backward; "
-                "run under torch.no_grad() or torch.inference_mode()")
-    return None
+    traces = [r.trace for r in (site.key, site.value)]
+    traces += [t.scale for t in traces if t.scale is not None]
+    leaves = [site.query] + [t.gather.source for t in traces]
+    needs = [n.name for n in leaves if _requires_grad(n)]
+    if _requires_grad(site.mask):
+        needs.append(f"the attn_mask {site.mask.name}")
+    needs = needs or [describe(n) for n in site.sdpa.all_input_nodes if _requires_grad(n)]
+    return (f"{', '.join(needs)} require grad where the attention runs with grad enabled, and "
+            "the pagedfuse ops have no backward; run under torch.no_grad() or "
+            "torch.inference_mode()")
 
 
 def _kernel(match: Match) -> str | None:
@@ -235,15 +361,21 @@ PRECONDITIONS = (
     Precondition("dtype", _dtype, _dtype_passes),
     Precondition("head_dim", _head_dim, lambda m: f"head_dim {_site(m).size('dim')}"),
     Precondition("gqa", _gqa, _gqa_passes),
+    Precondition("value cache", _value_cache, lambda m: "value cache shaped like the key cache"),
+    Precondition("scales", _scales, lambda m: "one scale per token and head, or none"),
+    Precondition("batch", _batch, _batch_passes),
+    Precondition("devices", _devices, lambda m: f"all on {_site(m).q_fake.device}"),
     Precondition("block_size", _block_size, lambda m: f"block_size {_site(m).size('slot')}"),
     Precondition("cache strides", _strides, lambda m: "innermost dim contiguous, rows aligned"),
     Precondition("mask", _mask, _mask_passes),
+    Precondition("masked rows", _masked_rows, _masked_rows_passes),
     Precondition("causal", lambda m: None, _causal_passes),
     Precondition("scale", _scale, _scale_passes),
     Precondition("self-contained", _self_contained,
                  lambda m: "gathered K/V are used only by this attention"),
     Precondition("cache writes", _no_write_in_between,
-                 lambda m: "no cache write between the gather and the attention"),
+                 lambda m: "no write to the caches, table, scales or lengths between their "
+                           "read and the attention"),
     Precondition("autograd", _no_grad_needed, lambda m: "no gradient needed"),
     Precondition("kernel", _kernel, lambda m: f"{_site(m).op} kernel for "
                                               f"{_site(m).q_fake.device.type}"),
