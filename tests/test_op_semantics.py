@@ -342,15 +342,6 @@ def test_decode_rows_without_keys(backend, kind, layout):
 
 # --- 2. negative block ids wrap --------------------------------------------------------------
 
-def _expect_cpu_refusal(request, backend: str) -> None:
-    """pagedfuse/ops/cpu.py does not yet pass the cache's block count to the C++ kernels
-    (``"num_blocks": key_cache.shape[0]`` in its argument dict), so they refuse a negative id
-    in use with a ValueError. Strict: once it does, this mark fails the test until removed."""
-    if backend in CPU_BACKENDS:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=ValueError, reason="cpu.py passes no num_blocks to pagedfuse._C"))
-
-
 def _wrapped(c: Case) -> Case:
     """The same blocks, every other id in use written as id - num_blocks."""
     table = c.block_table.clone()
@@ -363,8 +354,7 @@ def _wrapped(c: Case) -> Case:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_negative_block_ids_wrap(request, backend, kind, layout):
-    _expect_cpu_refusal(request, backend)
+def test_negative_block_ids_wrap(backend, kind, layout):
     decode = _decode_only(backend)
     c = make_case([13, 40, 300], [1, 1, 1] if decode else [2, 1, 3], kind, layout,
                   causal=True, dtype=_dtype(backend), seed=3)
@@ -376,14 +366,13 @@ def test_negative_block_ids_wrap(request, backend, kind, layout):
 
 
 @pytest.mark.parametrize("bad", ["-num_blocks - 1", "num_blocks"])
-def test_block_ids_outside_the_cache_raise(request, bad):
+def test_block_ids_outside_the_cache_raise(bad):
     c = make_case([13, 40], [2, 1], seed=4)
     table = c.block_table.clone()
     table[1, 3] = -c.num_blocks - 1 if bad.startswith("-") else c.num_blocks
     with pytest.raises(ValueError, match=r"block_table: entries in use span .* outside "
                                          rf"\[-{c.num_blocks}, {c.num_blocks}\)"):
         run_op(replace(c, block_table=table))
-    _expect_cpu_refusal(request, "portable")
     table[1, 3] = -c.num_blocks  # the lowest id that wraps
     run_op(replace(c, block_table=table))
     table[1, 10] = 10**6  # not in use: never read, never checked

@@ -11,9 +11,6 @@ from helpers.differential import INT8_TOLERANCE, differential
 
 import pagedfuse
 
-NEEDS_OP_CONTRACT = pytest.mark.xfail(
-    strict=True, reason="needs the op contract change on the semantics branch")
-
 B, HQ, HKV, D, BS, M, N = 3, 8, 2, 64, 4, 3, 16
 
 
@@ -212,7 +209,6 @@ def _length_masked(q, kc, vc, bt, sl):
                                           enable_gqa=True)
 
 
-@NEEDS_OP_CONTRACT
 def test_padded_row_whose_sequence_has_no_keys():
     q, kc, vc, bt, sl = _inputs()
     sl[1] = 0
@@ -221,7 +217,6 @@ def test_padded_row_whose_sequence_has_no_keys():
     assert outcome.rewritten
 
 
-@NEEDS_OP_CONTRACT
 def test_padded_prefill_with_more_queries_than_keys():
     q, kc, vc, bt, sl = _inputs(q_len=4)
     sl[:] = torch.tensor([M * BS, 2, 3])
@@ -230,7 +225,6 @@ def test_padded_prefill_with_more_queries_than_keys():
     assert outcome.rewritten
 
 
-@NEEDS_OP_CONTRACT
 def test_minus_one_padding_in_the_table_under_a_host_built_mask():
     def fn(q, kc, vc, bt, bias):
         return F.scaled_dot_product_attention(q, _bhld(kc[bt]), _bhld(vc[bt]), attn_mask=bias,

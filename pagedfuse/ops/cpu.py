@@ -91,6 +91,7 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         "value_scale_strides": value_scale_strides,
         "block_table": table.data_ptr(),
         "max_blocks": table.shape[1],
+        "num_blocks": key_cache.shape[0],
         "seq_lens": lens.data_ptr(),
         "query_start_loc": starts.data_ptr(),
         "attn_bias": 0 if bias is None else bias.data_ptr(),
