@@ -49,6 +49,7 @@ GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (3
 CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048), (16, 4096, 64))
 PAGE = 16
+DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
 OPS = torch.ops.pagedfuse
 KERNELS = {  # name -> (cache kind, P·V mode)
     "prefill bf16": ("bf16", "half"),
@@ -68,7 +69,7 @@ class Case:
         self.geo, self.batch, self.seq_len, self.q_len = geo, batch, seq_len, q_len
         self.scale = 1.0 / math.sqrt(d)
         blocks = batch * seq_len // PAGE
-        dev = "cuda"
+        dev = DEVICE
         self.table = torch.randperm(blocks, device=dev).view(batch, -1).to(torch.int32)
         self.kc, self.vc = (torch.randn(blocks, PAGE, hkv, d, device=dev,
                                         dtype=torch.bfloat16) for _ in "kv")
@@ -192,7 +193,7 @@ def flex_method(case: Case, flex: Callable) -> Callable[[], torch.Tensor]:
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
 
-    mask = create_block_mask(causal, None, None, case.q_len, case.seq_len, device="cuda")
+    mask = create_block_mask(causal, None, None, case.q_len, case.seq_len, device=DEVICE)
     return lambda: flex(case.q4, case.k_c, case.v_c, block_mask=mask, scale=case.scale,
                         enable_gqa=True)
 
