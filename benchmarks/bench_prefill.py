@@ -46,7 +46,8 @@ from helpers.prefill import paged_call  # noqa: E402
 import pagedfuse.ops  # noqa: E402,F401  (registers torch.ops.pagedfuse.*)
 
 GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (32, 4, 64)}
-CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64))
+CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64),
+         (64, 8192, 4))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
 PAGE = 16
 DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
@@ -95,6 +96,12 @@ class Case:
         n, length = self.q_len, self.seq_len
         pairs = self.batch * (n * (length - n) + n * (n + 1) / 2)
         return 4.0 * d * hq * pairs
+
+    def kv_bytes(self, kind: str) -> int:
+        """K/V (and scale) bytes one pass reads: the floor of a memory-bound case (q_len 4)."""
+        _, hkv, d = self.geo
+        per_token = {"bf16": 4 * d, "int8_kv": 2 * d + 8, "int8_k": 3 * d + 4}[kind]
+        return self.batch * self.seq_len * hkv * per_token
 
     def call(self, kind: str):
         """The PagedCall of this case with ``kind``'s caches."""
@@ -226,15 +233,18 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     return out
 
 
-def plan_for(call, pv: str = "half", shape: tuple[int, int, int] | None = None):
-    """The default plan for ``call``'s sizes with P·V mode ``pv``; ``shape`` = (block_n,
-    num_warps, num_stages) replaces its tile shape and pipelining (a sweep's choice)."""
+def plan_for(call, pv: str = "half", shape: tuple[int, int, int, int] | None = None):
+    """The default plan for ``call``'s sizes with P·V mode ``pv``; ``shape`` = (block_m,
+    block_n, num_warps, num_stages) replaces its tile shape and pipelining (a sweep's
+    choice; block_m only where the default fills 128 rows with one head, i.e. q_len >= 128:
+    shorter queries keep their packed rows)."""
     from pagedfuse.ops.triton_prefill import default_plan
 
     plan = dataclasses.replace(default_plan(call), pv=pv)
     if shape:
-        plan = dataclasses.replace(plan, block_n=shape[0], num_warps=shape[1],
-                                   num_stages=shape[2])
+        block_m = shape[0] if plan.pack == 1 and plan.block_m == 128 else plan.block_m
+        plan = dataclasses.replace(plan, block_m=block_m, block_n=shape[1],
+                                   num_warps=shape[2], num_stages=shape[3])
     return plan
 
 
@@ -316,6 +326,7 @@ def run_cases(args, plans: dict) -> list[dict]:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex = torch.compile(flex_attention, dynamic=False)
+        torch._dynamo.config.recompile_limit = 64  # one compile per case, never eager
     deadline = time.time() + args.budget
     for gname in args.geometries:
         geo = GEOMETRIES[gname]
@@ -342,6 +353,7 @@ def run_cases(args, plans: dict) -> list[dict]:
                     ms = bench_ms(fn)
                     row["ms"] = ms
                     row["tflops"] = case.flops() / (ms * 1e-3) / 1e12
+                    row["kv_gbs"] = case.kv_bytes(kind) / (ms * 1e-3) / 1e9
                 except Exception as exc:  # a peer that does not run this case
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                     if args.verbose:
@@ -381,15 +393,15 @@ def run_sweep(args) -> list[dict]:
     return rows
 
 
-def sweep_shapes(head_dim: int) -> list[tuple[int, int, int]]:
-    """(block_n, num_warps, num_stages) candidates: prefill_asm.sweep_plans's."""
+def sweep_shapes(head_dim: int) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, num_warps, num_stages) candidates: prefill_asm.sweep_plans's."""
     from prefill_asm import sweep_plans
 
-    return [(p.block_n, p.num_warps, p.num_stages) for p in sweep_plans(head_dim)]
+    return [(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in sweep_plans(head_dim)]
 
 
 def best_plans(sweep_rows: list[dict]) -> dict:
-    """(geo, kind) -> the tile shape (block_n, warps, stages) with the least mean time
+    """(geo, kind) -> the tile shape (block_m, block_n, warps, stages) with the least mean time
     relative to each case's fastest, over the sweep's cases."""
     totals: dict = {}
     for r in sweep_rows:
@@ -397,7 +409,7 @@ def best_plans(sweep_rows: list[dict]) -> dict:
             continue
         p = r["plan"]
         key = (tuple(GEOMETRIES[r["geometry"]]), r["kind"],
-               (p["block_n"], p["num_warps"], p["num_stages"]))
+               (p["block_m"], p["block_n"], p["num_warps"], p["num_stages"]))
         totals.setdefault(key, []).append(r["ms"] / min(
             x["ms"] for x in sweep_rows if "ms" in x and x["geometry"] == r["geometry"]
             and x["kind"] == r["kind"] and x["batch"] == r["batch"]
@@ -509,7 +521,7 @@ def main() -> None:
     plans = {}
     if args.plans:
         plans = best_plans(json.loads(Path(args.plans).read_text())["rows"])
-        print("tile shapes (block_n, warps, stages):",
+        print("tile shapes (block_m, block_n, warps, stages):",
               {f"{g} {k}": p for (g, k), p in plans.items()}, flush=True)
     if args.sweep:
         jobs = [(GEOMETRIES[g], *c, kind, "half", shape) for g in args.geometries

@@ -122,11 +122,15 @@ def inspect(kernel, ptxas: bool = True) -> dict:
 def sweep_plans(head_dim: int) -> list[tp.PrefillPlan]:
     """The candidates bench_prefill.py --sweep times. Pruned offline with this tool: with
     128-row tiles, 4 warps spill 1-10 KB for head_dim >= 128, and so does block_n 128 at
-    head_dim 256; 4 stages compile to the same shared memory as 3."""
-    shapes = {64: ((64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3)),
-              128: ((64, 8, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3)),
-              256: ((32, 8, 2), (32, 8, 3), (64, 8, 2), (64, 8, 3))}[head_dim]
-    return [tp.PrefillPlan(128, 1, n, w, s) for n, w, s in shapes]
+    head_dim 256 (and 64-row tiles at 256); 4 stages compile to the same shared memory as
+    3. 64-row tiles with 4 warps fit two or more CTAs per SM for head_dim <= 128 (128-255
+    registers), so one CTA's softmax can overlap another's MMAs."""
+    shapes = {64: ((128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+                   (64, 128, 4, 2)),
+              128: ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2),
+                    (64, 64, 4, 3)),
+              256: ((128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3))}[head_dim]
+    return [tp.PrefillPlan(m, 1, n, w, s) for m, n, w, s in shapes]
 
 
 def main() -> None:
