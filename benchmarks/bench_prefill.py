@@ -56,8 +56,11 @@ KERNELS = {  # name -> (cache kind, P·V mode)
     "prefill bf16": ("bf16", "half"),
     "prefill INT8 K": ("int8_k", "half"),
     "prefill INT8 K+V": ("int8_kv", "half"),
-    "prefill INT8 K+V int8 P": ("int8_kv", "int8"),
 }
+# --pv-int8 adds this: on the H200 3-4x slower than "half" with 1.3-1.7x its error
+# (benchmarks/results/prefill_call1.json), since int8 wgmma needs V K-major and the
+# cache's V rows are not
+PV_INT8_ENTRY = ("prefill INT8 K+V int8 P", ("int8_kv", "int8"))
 
 
 class Case:
@@ -499,6 +502,7 @@ def main() -> None:
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
                     default=list(CASES), help="batch,seq_len,q_len ...")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--pv-int8", action="store_true", help="also time P·V as an int8 dot")
     ap.add_argument("--budget", type=float, default=400, help="seconds; then skip the rest")
     ap.add_argument("--flex-reserve", type=float, default=120,
                     help="stop compiling FlexAttention this many seconds before the budget")
@@ -513,6 +517,8 @@ def main() -> None:
         return
     import triton
 
+    if args.pv_int8:
+        KERNELS.setdefault(*PV_INT8_ENTRY)
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),

@@ -66,7 +66,7 @@ class PrefillPlan:
 
 
 @triton.jit
-def _step(acc, m_i, l_i, q, q_row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
           k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
           stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
@@ -95,11 +95,12 @@ def _step(acc, m_i, l_i, q, q_row_scale, start, b, kvh, head, t, ctx, seq_len, o
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
     if INT8_K:
         k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh)
-        qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-        s = qk * q_row_scale[:, None] * k_scale[None, :]
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
     else:
-        s = tl.dot(q, tl.trans(k)) * q_row_scale
+        s = tl.dot(q, tl.trans(k))
+    # log2-domain logits are s * row_scale (row_scale >= 0: the softmax scale is positive)
     if MASKED:
+        s = s * row_scale[:, None]
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= (ctx + t)[:, None])
@@ -115,11 +116,12 @@ def _step(acc, m_i, l_i, q, q_row_scale, start, b, kvh, head, t, ctx, seq_len, o
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_use[:, None])
+    else:  # every key visible: the scale folds into one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_scale)
         m_use = m_new
+        p = tl.exp2(s * row_scale[:, None] - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if MASKED:
@@ -185,10 +187,10 @@ def prefill_kernel(
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
                 mask=row_ok[:, None], other=0)
     if INT8_K:
-        q_row_scale = tl.load(qs_ptr + tok * stride_qst + head * stride_qsh, mask=row_ok,
-                              other=0.0) * sm_scale_log2
+        row_scale = tl.load(qs_ptr + tok * stride_qst + head * stride_qsh, mask=row_ok,
+                            other=0.0) * sm_scale_log2
     else:
-        q_row_scale = sm_scale_log2
+        row_scale = tl.full([BLOCK_M], sm_scale_log2, tl.float32)
     ctx = seq_len - q_len  # keys before the first query token
     if CAUSAL:
         hi = tl.minimum(seq_len, ctx + t0 + TOKENS)  # the tile's last token sees keys < hi
@@ -206,7 +208,7 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(0, full, BLOCK_N):
         acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, q_row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
@@ -215,7 +217,7 @@ def prefill_kernel(
             MASKED=False)
     for start in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, q_row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
@@ -261,6 +263,8 @@ def prefill_unsupported(call: PagedCall) -> str | None:
         return "needs compute capability 8.0 or newer"
     if call.query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {call.query.dtype}: the prefill kernels take bf16 or fp16"
+    if not call.scale > 0:
+        return f"scale {call.scale}: the prefill kernels fold a positive softmax scale"
     if call.geometry.head_dim not in HEAD_DIMS:
         return f"head_dim {call.geometry.head_dim} not in {HEAD_DIMS}"
     if call.decode:
