@@ -166,13 +166,14 @@ def test_plan_checks_name_the_plan():
         tp.check_plan(call, tp.PrefillPlan(pv="fp4"))
 
 
-@pytest.mark.parametrize(("group", "q_bound", "pack", "block_m"), [
-    (4, 8192, 1, 128),  # long prompts: one head, 128 tokens per tile
-    (4, 64, 2, 128),  # a 64-token chunk shares its rows with a second head of the group
-    (6, 64, 2, 128),  # GQA 6: packs of 2 (a power of two dividing the group)
-    (8, 4, 8, 64),  # short queries: the whole group, rows padded to the 64 of one wgmma
-    (1, 4, 1, 64),
+@pytest.mark.parametrize(("kind", "group", "q_bound", "pack", "block_m", "warps"), [
+    ("float", 4, 8192, 1, 128, 8),  # long prompts: one head, 128 tokens per tile
+    ("float", 4, 64, 2, 128, 8),  # a 64-token chunk shares its rows with a second head
+    ("float", 6, 64, 2, 128, 8),  # GQA 6: packs of 2 (a power of two dividing the group)
+    ("float", 8, 4, 8, 64, 4),  # short queries: the whole group, rows padded to 64
+    ("float", 1, 4, 1, 64, 4),
+    ("int8_kv", 4, 8192, 1, 64, 4),  # INT8 K+V, head_dim 128: 64-row tiles, 2 CTAs per SM
 ])
-def test_default_plan_packs_heads_to_fill_a_tile(group, q_bound, pack, block_m):
-    plan = tp._default_plan(128, group, q_bound, False)
-    assert (plan.pack, plan.block_m) == (pack, block_m)
+def test_default_plan_packs_heads_to_fill_a_tile(kind, group, q_bound, pack, block_m, warps):
+    plan = tp._default_plan(128, group, q_bound, kind)
+    assert (plan.pack, plan.block_m, plan.num_warps) == (pack, block_m, warps)

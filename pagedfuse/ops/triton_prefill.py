@@ -13,10 +13,11 @@ Per tile, keys run in two stages: the keys every row of the tile sees (no masks,
 checks) and then the diagonal and ragged tail, masked. Causal masking is bottom-right
 aligned (query token t of a sequence with ``n`` queries and ``L`` keys sees keys
 ``<= L - n + t``), so tiles above the diagonal are never visited. Softmax is online in
-fp32, in the log2 domain. Grid sizes come from shapes and the optional hints only, and a
-tile past its sequence's queries exits at once: no host synchronisation, so a launch
-captures in a CUDA graph. Lengths and block ids are clamped so that bad values can never
-move a read outside the cache or the table.
+fp32, in the log2 domain; on tiles with no mask the softmax scale (positive: other calls
+are declined) folds into one FMA per score. Grid sizes come from shapes and the optional
+hints only, and a tile past its sequence's queries exits at once: no host
+synchronisation, so a launch captures in a CUDA graph. Lengths and block ids are clamped
+so that bad values can never move a read outside the cache or the table.
 
 INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
 with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
@@ -234,23 +235,36 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
+# (head_dim, cache kind) -> (block_m, block_n, num_warps, num_stages) for q_len >= 128: the
+# fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweep
+# (benchmarks/results/prefill_sweep_call2.json). INT8 K+V at head_dim 128 takes 64-row
+# tiles: two CTAs per SM, 20-25% faster there than 128 rows, which spill.
+TILES = {
+    (64, "float"): (128, 64, 8, 3), (64, "int8_k"): (128, 128, 4, 3),
+    (64, "int8_kv"): (128, 128, 4, 3),
+    (128, "float"): (128, 128, 8, 2), (128, "int8_k"): (128, 128, 8, 2),
+    (128, "int8_kv"): (64, 64, 4, 2),
+    (256, "float"): (128, 64, 8, 2), (256, "int8_k"): (128, 64, 8, 2),
+    (256, "int8_kv"): (128, 64, 8, 2),
+}
+
+
 @functools.lru_cache(maxsize=256)
-def _default_plan(head_dim: int, group: int, query_bound: int, int8_k: bool) -> PrefillPlan:
-    """Heads packed so that a tile's rows hold the longest query (up to 128 rows), and
-    tile shapes per head_dim. Fitted on the H200 (benchmarks/bench_prefill.py --sweep)."""
+def _default_plan(head_dim: int, group: int, query_bound: int, kind: str) -> PrefillPlan:
+    """TILES for long queries. Shorter ones pack heads of the GQA group into the rows
+    (token-major) until a tile holds the longest query, down to 64 rows and 4 warps (one
+    warpgroup's wgmma M)."""
+    block_m, block_n, warps, stages = TILES[(head_dim, kind)]
     tokens = next_power_of_2(max(query_bound, 1))
-    pack = min(_largest_pow2_divisor(group), max(1, 128 // tokens))
-    block_m = max(64, min(128, tokens * pack))
-    block_n = 64 if head_dim == 256 else 128
-    warps = 8 if block_m == 128 else 4
-    stages = 2 if head_dim == 256 else 3
-    return PrefillPlan(block_m, pack, block_n, warps, stages)
+    pack = min(_largest_pow2_divisor(group), max(1, block_m // tokens))
+    rows = max(64, min(block_m, tokens * pack))
+    return PrefillPlan(rows, pack, block_n, warps if rows == block_m else 4, stages)
 
 
 def default_plan(call: PagedCall) -> PrefillPlan:
     """The plan ``prefill_into`` takes when given none (sizes from shapes and hints)."""
     g = call.geometry
-    return _default_plan(g.head_dim, g.group, call.query_bound, call.int8_k)
+    return _default_plan(g.head_dim, g.group, call.query_bound, call.kind)
 
 
 def prefill_unsupported(call: PagedCall) -> str | None:
