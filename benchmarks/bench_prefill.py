@@ -241,7 +241,7 @@ def plan_for(call, pv: str = "half", shape: tuple[int, int, int, int] | None = N
     block_n, num_warps, num_stages) replaces its tile shape and pipelining (a sweep's
     choice; block_m only where the default fills 128 rows with one head, i.e. q_len >= 128:
     shorter queries keep their packed rows)."""
-    from pagedfuse.ops.triton_prefill import default_plan
+    from pagedfuse.ops.prefill_plan import default_plan
 
     plan = dataclasses.replace(default_plan(call), pv=pv)
     if shape:

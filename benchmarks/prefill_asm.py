@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers.prefill import paged_call  # noqa: E402
 
+from pagedfuse.ops import prefill_plan as pp  # noqa: E402
 from pagedfuse.ops import triton_prefill as tp  # noqa: E402
 from pagedfuse.ops.reference import quantize_int8_reference  # noqa: E402
 
@@ -80,7 +81,7 @@ def small_call(geo: tuple[int, int, int], kind: str, q_len: int, causal: bool = 
                       value_scale=vs, max_seq_len=seq, max_query_len=q_len)
 
 
-def compile_plan(call, plan: tp.PrefillPlan, capability: int = 90):
+def compile_plan(call, plan: pp.PrefillPlan, capability: int = 90):
     """The compiled kernel (Triton's CompiledKernel) of ``call`` under ``plan``."""
     out = torch.empty_like(call.query)
     q, q_scale = quantize_int8_reference(call.query) if call.int8_k else (call.query, None)
@@ -119,7 +120,7 @@ def inspect(kernel, ptxas: bool = True) -> dict:
     return info
 
 
-def sweep_plans(head_dim: int) -> list[tp.PrefillPlan]:
+def sweep_plans(head_dim: int) -> list[pp.PrefillPlan]:
     """The candidates bench_prefill.py --sweep times. Pruned offline with this tool: with
     128-row tiles, 4 warps spill 1-10 KB for head_dim >= 128, and so does block_n 128 at
     head_dim 256 (and 64-row tiles at 256); 4 stages compile to the same shared memory as
@@ -130,7 +131,7 @@ def sweep_plans(head_dim: int) -> list[tp.PrefillPlan]:
               128: ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2),
                     (64, 64, 4, 3)),
               256: ((128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3))}[head_dim]
-    return [tp.PrefillPlan(m, 1, n, w, s) for m, n, w, s in shapes]
+    return [pp.PrefillPlan(m, 1, n, w, s) for m, n, w, s in shapes]
 
 
 def main() -> None:
@@ -143,7 +144,7 @@ def main() -> None:
     for name, geo in GEOMETRIES.items():
         for kind in KINDS:
             call = small_call(geo, kind, args.q_len)
-            plans = [tp.default_plan(call)]
+            plans = [pp.default_plan(call)]
             if args.plans == "sweep":
                 plans += [p for p in sweep_plans(geo[2]) if p != plans[0]]
             for plan in plans:
