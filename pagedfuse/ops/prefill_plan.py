@@ -52,7 +52,7 @@ def _largest_pow2_divisor(n: int) -> int:
 
 # (head_dim, cache kind) -> (block_m, block_n, num_warps, num_stages) for q_len >= 128: the
 # fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweep
-# (benchmarks/results/prefill_sweep_call2.json). INT8 K+V at head_dim 128 takes 64-row
+# (benchmarks/results/prefill_sweep_h200_2026-12-01.json). INT8 K+V at head_dim 128 takes 64-row
 # tiles: two CTAs per SM, 20-25% faster there than 128 rows, which spill.
 TILES = {
     (64, "float"): (128, 64, 8, 3), (64, "int8_k"): (128, 128, 4, 3),
