@@ -57,9 +57,9 @@ KERNELS = {  # name -> (cache kind, P·V mode)
     "prefill INT8 K": ("int8_k", "half"),
     "prefill INT8 K+V": ("int8_kv", "half"),
 }
-# --pv-int8 adds this: on the H200 3-4x slower than "half" with 1.3-1.7x its error
-# (benchmarks/results/prefill_h200_2026-12-01_pv_int8.json), since int8 wgmma needs V K-major and the
-# cache's V rows are not
+# --pv-int8 adds this: on the H200 1.4-3.3x slower than "half" with 1.3-1.7x its error
+# (benchmarks/results/prefill_h200_2026-12-01_pv_int8.json), since int8 wgmma needs V
+# K-major and the cache's V rows are not
 PV_INT8_ENTRY = ("prefill INT8 K+V int8 P", ("int8_kv", "int8"))
 
 

@@ -82,15 +82,25 @@ def default_plan(call: PagedCall) -> PrefillPlan:
     return _default_plan(g.head_dim, g.group, call.query_bound, call.kind)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def prefill_unsupported(call: PagedCall) -> str | None:
     """Why this kernel family cannot run ``call`` (None: it can). Decode calls (at most one
     query token per sequence, known from the hint or the shapes) belong to the decode
     kernels."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "Triton is not installed"
     if call.device.type != "cuda" and not INTERPRET:
         return f"device {call.device.type}: the prefill kernels are Triton on CUDA"
-    if call.device.type == "cuda" and torch.cuda.get_device_capability(call.device) < (8, 0):
+    if call.device.type == "cuda" and _capability(call.device) < (8, 0):
         return "needs compute capability 8.0 or newer"
     if call.query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {call.query.dtype}: the prefill kernels take bf16 or fp16"
