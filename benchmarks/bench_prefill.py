@@ -1,0 +1,557 @@
+"""Paged prefill and chunked prefill on the GPU: the prefill kernels against the peers.
+
+Cases (batch, seq_len, q_len) on the three preset geometries, page 16, NHD caches with the
+blocks in random order, bf16, bottom-right causal (each sequence's q_len queries are its
+last tokens). Side by side in one run: SDPA on contiguous K/V with GQA pre-expanded
+(cuDNN, flash, efficient; ``is_causal`` for full prefill, lower-right for chunks),
+FlexAttention compiled with a lower-right causal block mask (contiguous K/V, GQA), the eager
+gather + SDPA code users write, today's pagedfuse op (bf16 and INT8 K+V), and the prefill
+kernels (triton_prefill.py): bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers,
+P·V in bf16) and INT8 K+V with int8 P. Times are medians of triton.testing.do_bench (its
+L2 clear between calls). TFLOP/s counts causal pairs only (4 * D * Hq per pair); for INT8
+entries it is TOP/s of the same count. Errors are ||out - ref|| / ||ref|| against fp32
+attention on the unquantized K/V; for INT8 entries "deq err" is the error of fp32
+dequantize-then-attend on the same INT8 cache (the quantization's own share).
+
+    python benchmarks/bench_prefill.py --json out.json --plot prefill.png
+    python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
+    python benchmarks/bench_prefill.py --replot out.json --plot prefill.png   # no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers.prefill import paged_call  # noqa: E402
+
+import pagedfuse.ops  # noqa: E402,F401  (registers torch.ops.pagedfuse.*)
+
+GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (32, 4, 64)}
+CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64),
+         (64, 8192, 4))
+SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
+PAGE = 16
+DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
+OPS = torch.ops.pagedfuse
+KERNELS = {  # name -> (cache kind, P·V mode)
+    "prefill bf16": ("bf16", "half"),
+    "prefill INT8 K": ("int8_k", "half"),
+    "prefill INT8 K+V": ("int8_kv", "half"),
+}
+# --pv-int8 adds this: on the H200 1.4-3.3x slower than "half" with 1.3-1.7x its error
+# (benchmarks/results/prefill_h200_2026-12-01_pv_int8.json), since int8 wgmma needs V
+# K-major and the cache's V rows are not
+PV_INT8_ENTRY = ("prefill INT8 K+V int8 P", ("int8_kv", "int8"))
+
+
+class Case:
+    """One (geometry, batch, seq_len, q_len) problem on the GPU in every layout the methods
+    need. ``light``: the paged tensors only (for compiling the kernels elsewhere)."""
+
+    def __init__(self, geo: tuple[int, int, int], batch: int, seq_len: int, q_len: int,
+                 light: bool = False):
+        hq, hkv, d = geo
+        self.geo, self.batch, self.seq_len, self.q_len = geo, batch, seq_len, q_len
+        self.scale = 1.0 / math.sqrt(d)
+        blocks = batch * seq_len // PAGE
+        dev = DEVICE
+        self.table = torch.randperm(blocks, device=dev).view(batch, -1).to(torch.int32)
+        self.kc, self.vc = (torch.randn(blocks, PAGE, hkv, d, device=dev,
+                                        dtype=torch.bfloat16) for _ in "kv")
+        self.q = torch.randn(batch * q_len, hq, d, device=dev, dtype=torch.bfloat16)
+        self.seq_lens = torch.full((batch,), seq_len, device=dev, dtype=torch.int32)
+        self.starts = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
+        self.k8, self.ks = OPS.quantize_int8(self.kc)
+        self.v8, self.vs = OPS.quantize_int8(self.vc)
+        if light:
+            return
+        group = hq // hkv
+        self.q4 = self.q.view(batch, q_len, hq, d).transpose(1, 2).contiguous()
+        self.k_c, self.v_c = (gather(c, self.table).contiguous() for c in (self.kc, self.vc))
+        self.k_x, self.v_x = (x.repeat_interleave(group, dim=1) for x in (self.k_c, self.v_c))
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch}x{self.seq_len} q{self.q_len}"
+
+    def flops(self) -> float:
+        """4 * D * Hq per (query, visible key) pair, bottom-right causal."""
+        hq, _, d = self.geo
+        n, length = self.q_len, self.seq_len
+        pairs = self.batch * (n * (length - n) + n * (n + 1) / 2)
+        return 4.0 * d * hq * pairs
+
+    def kv_bytes(self, kind: str) -> int:
+        """K/V (and scale) bytes one pass reads: the floor of a memory-bound case (q_len 4)."""
+        _, hkv, d = self.geo
+        per_token = {"bf16": 4 * d, "int8_kv": 2 * d + 8, "int8_k": 3 * d + 4}[kind]
+        return self.batch * self.seq_len * hkv * per_token
+
+    def call(self, kind: str):
+        """The PagedCall of this case with ``kind``'s caches."""
+        k, v, ks, vs = {"bf16": (self.kc, self.vc, None, None),
+                        "int8_k": (self.k8, self.vc, self.ks, None),
+                        "int8_kv": (self.k8, self.v8, self.ks, self.vs)}[kind]
+        return paged_call(self.q, k, v, self.table, self.seq_lens, self.starts, self.scale,
+                          True, key_scale=ks, value_scale=vs, max_seq_len=self.seq_len,
+                          max_query_len=self.q_len)
+
+    def tokens(self, out4: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, q, D] -> [B * q, Hq, D]."""
+        return out4.transpose(1, 2).reshape(self.q.shape)
+
+
+def gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[nb, bs, H, D] through [B, n] -> [B, H, n * bs, D] (a view of the gathered copy)."""
+    return cache[table].flatten(1, 2).transpose(1, 2)
+
+
+def lower_right_mask(q_len: int, seq_len: int, device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where query i (the (seq_len - q_len + i)-th key) sees."""
+    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    return torch.arange(seq_len, device=device)[None, :] <= rows
+
+
+def fp32_attention(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   chunk: int = 2048) -> torch.Tensor:
+    """Lower-right causal attention in fp32 (no TF32), [B, Hq, q, D] with K/V [B, Hkv, L, D];
+    query rows in chunks so the score matrix stays a few GB."""
+    b, hq, n, d = q4.shape
+    hkv, length = k.shape[1], k.shape[2]
+    group = hq // hkv
+    out = torch.empty(b, hq, n, d, device=q4.device, dtype=torch.float32)
+    allow = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for i in range(b):
+            for h in range(hkv):
+                kf, vf = k[i, h].float(), v[i, h].float()
+                for r in range(0, n, chunk):
+                    qf = q4[i, h * group:(h + 1) * group, r:r + chunk].float()
+                    s = qf @ kf.T * scale
+                    rows = torch.arange(r, min(r + chunk, n), device=q4.device)[:, None]
+                    s.masked_fill_(torch.arange(length, device=q4.device)[None, :] >
+                                   rows + (length - n), float("-inf"))
+                    out[i, h * group:(h + 1) * group, r:r + chunk] = torch.softmax(s, -1) @ vf
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+    return out
+
+
+def sdpa_contiguous(case: Case, backend: str) -> torch.Tensor:
+    """SDPA on contiguous, GQA-expanded K/V; bottom-right causal for chunks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, s = case.q4, case.k_x, case.v_x, case.scale
+    full = case.q_len == case.seq_len
+    if backend == "flash" and not full:  # aten's flash op: is_causal means lower-right
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True,
+                                                                  scale=s)[0]
+    if backend == "efficient" and not full:  # custom_mask_type 2: lower-right causal
+        return torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None,
+            None, 0.0, 2, False, scale=s)[0].transpose(1, 2)
+    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    with sdpa_kernel([which]):
+        if full:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=lower_right_mask(case.q_len, case.seq_len, q.device), scale=s)
+
+
+def gather_sdpa(case: Case) -> torch.Tensor:
+    """What a user writes: gather the pages, repeat K/V for GQA, SDPA with a causal mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    hq, hkv, d = case.geo
+    b, n, length = case.batch, case.q_len, case.seq_len
+    q = case.q.view(b, n, hq, d).transpose(1, 2)
+    k = gather(case.kc, case.table).repeat_interleave(hq // hkv, dim=1)
+    v = gather(case.vc, case.table).repeat_interleave(hq // hkv, dim=1)
+    if n == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, length),
+                                          scale=case.scale)
+
+
+def flex_method(case: Case, flex: Callable) -> Callable[[], torch.Tensor]:
+    """FlexAttention (compiled) with a lower-right causal block mask, GQA, contiguous K/V."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = case.seq_len - case.q_len
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    mask = create_block_mask(causal, None, None, case.q_len, case.seq_len, device=DEVICE)
+    return lambda: flex(case.q4, case.k_c, case.v_c, block_mask=mask, scale=case.scale,
+                        enable_gqa=True)
+
+
+def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
+    from pagedfuse.ops.triton_prefill import prefill_into
+
+    out = torch.empty_like(case.q)
+    prefill_into(case.call(kind), out, plan)
+    return out
+
+
+def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
+    """name -> (kind for errors, output layout "bhqd" or "thd", zero-argument callable);
+    ``plans``: (geo, kind) -> the tile shape a sweep chose (see plan_for)."""
+    tail = (case.table, case.seq_lens, case.starts, case.scale, True, None, case.seq_len,
+            case.q_len)
+    out = {f"SDPA {b}": ("bf16", "bhqd", lambda b=b: sdpa_contiguous(case, b))
+           for b in ("cudnn", "flash", "efficient")}
+    if flex is not None:
+        out["FlexAttention"] = ("bf16", "bhqd", flex_method(case, flex))
+    out["eager gather+SDPA"] = ("bf16", "bhqd", lambda: gather_sdpa(case))
+    out["pagedfuse op bf16"] = ("bf16", "thd", lambda: OPS.paged_attention(
+        case.q, case.kc, case.vc, *tail))
+    out["pagedfuse op INT8 K+V"] = ("int8_kv", "thd", lambda: OPS.paged_attention_int8(
+        case.q, case.k8, case.v8, case.ks, case.vs, *tail))
+    for name, (kind, pv) in KERNELS.items():
+        plan = plan_for(case.call(kind), pv, plans.get((case.geo, kind)))
+        out[name] = (kind, "thd", lambda kind=kind, plan=plan: prefill(case, kind, plan))
+    return out
+
+
+def plan_for(call, pv: str = "half", shape: tuple[int, int, int, int] | None = None):
+    """The default plan for ``call``'s sizes with P·V mode ``pv``; ``shape`` = (block_m,
+    block_n, num_warps, num_stages) replaces its tile shape and pipelining (a sweep's
+    choice; block_m only where the default fills 128 rows with one head, i.e. q_len >= 128:
+    shorter queries keep their packed rows)."""
+    from pagedfuse.ops.prefill_plan import default_plan
+
+    plan = dataclasses.replace(default_plan(call), pv=pv)
+    if shape:
+        block_m = shape[0] if plan.pack == 1 and plan.block_m == 128 else plan.block_m
+        plan = dataclasses.replace(plan, block_m=block_m, block_n=shape[1],
+                                   num_warps=shape[2], num_stages=shape[3])
+    return plan
+
+
+def bench_ms(fn: Callable) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm())
+
+
+def references(case: Case) -> dict[str, torch.Tensor]:
+    """fp32 attention [T, Hq, D] on the unquantized K/V, and on the dequantized INT8 caches."""
+    deq = {"k": case.k8.float() * case.ks[..., None], "v": case.v8.float() * case.vs[..., None]}
+    k_d, v_d = (gather(deq[x], case.table) for x in "kv")
+    return {
+        "fp32": case.tokens(fp32_attention(case.q4, case.k_c, case.v_c, case.scale)),
+        "int8_kv": case.tokens(fp32_attention(case.q4, k_d, v_d, case.scale)),
+        "int8_k": case.tokens(fp32_attention(case.q4, k_d, case.v_c, case.scale)),
+    }
+
+
+def _compile_job(job: tuple) -> str:
+    """Compile one prefill specialization into Triton's on-disk cache (a worker process);
+    ``job``: (geo, batch, seq_len, q_len, kind, pv, shape) as plan_for takes them."""
+    geo, batch, seq_len, q_len, kind, pv, shape = job
+    from pagedfuse.ops import triton_prefill as tp
+
+    case = Case(geo, batch, seq_len, q_len, light=True)
+    call = case.call(kind)
+    plan = plan_for(call, pv, shape)
+    q, q_scale = OPS.quantize_int8(call.query) if call.int8_k else (call.query, None)
+    launch = tp.launch_args(call, torch.empty_like(call.query), plan, q, q_scale)
+    t = time.time()
+    tp.prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+    return f"{kind} {plan} {time.time() - t:.1f}s"
+
+
+def precompile(jobs: list[tuple], workers: int) -> None:
+    """Compile the kernels in parallel processes first: Triton compiles one at a time per
+    process, and the timed run then finds each in the disk cache."""
+    t = time.time()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        done = list(pool.map(_compile_job, jobs))
+    print(f"precompiled {len(done)} specializations in {time.time() - t:.0f} s "
+          f"({workers} processes)", flush=True)
+
+
+def compiled_mma() -> list[dict]:
+    """The MMA instructions in the PTX of every prefill kernel this process compiled."""
+    import re
+
+    from pagedfuse.ops.triton_prefill import prefill_kernel
+
+    rows = []
+    for cache in prefill_kernel.device_caches.values():
+        for kernel in cache[0].values():
+            ptx = kernel.asm["ptx"]
+            consts = {k: v for k, v in kernel.src.constants.items()} if hasattr(
+                kernel, "src") else {}
+            rows.append({"constants": str(consts)[:300],
+                         "mma": sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*",
+                                                      ptx))),
+                         "cp_async": ptx.count("cp.async")})
+    return rows
+
+
+def run_cases(args, plans: dict) -> list[dict]:
+    import triton  # noqa: F401
+
+    rows = []
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        torch._dynamo.config.recompile_limit = 64  # one compile per case, never eager
+    deadline = time.time() + args.budget
+    for gname in args.geometries:
+        geo = GEOMETRIES[gname]
+        for batch, seq_len, q_len in args.cases:
+            case = Case(geo, batch, seq_len, q_len)
+            refs = references(case)
+            t_flex = time.time()
+            use_flex = flex is not None and time.time() < deadline - args.flex_reserve
+            for name, (kind, layout, fn) in methods(case, flex if use_flex else None,
+                                                    plans).items():
+                row = {"geometry": gname, "geo": list(geo), "batch": batch,
+                       "seq_len": seq_len, "q_len": q_len, "method": name, "kind": kind}
+                if time.time() > deadline:
+                    row["error"] = "skipped: out of time"
+                    rows.append(row)
+                    continue
+                try:
+                    got = fn()
+                    got = case.tokens(got) if layout == "bhqd" else got
+                    row["err"] = rel_err(got, refs["fp32"])
+                    if kind != "bf16":
+                        row["deq_err"] = rel_err(refs[kind], refs["fp32"])
+                    del got
+                    ms = bench_ms(fn)
+                    row["ms"] = ms
+                    row["tflops"] = case.flops() / (ms * 1e-3) / 1e12
+                    row["kv_gbs"] = case.kv_bytes(kind) / (ms * 1e-3) / 1e9
+                except Exception as exc:  # a peer that does not run this case
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                    if args.verbose:
+                        traceback.print_exc()
+                if name == "FlexAttention":
+                    row["with_compile_s"] = round(time.time() - t_flex, 1)
+                rows.append(row)
+                print(_line(row), flush=True)
+            del case, refs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_sweep(args) -> list[dict]:
+    """Time each candidate plan (prefill_asm.sweep_plans) per geometry and cache kind."""
+    rows = []
+    deadline = time.time() + args.budget
+    for gname in args.geometries:
+        geo = GEOMETRIES[gname]
+        for batch, seq_len, q_len in SWEEP_CASES:
+            case = Case(geo, batch, seq_len, q_len, light=True)
+            for kind in ("bf16", "int8_k", "int8_kv"):
+                for shape in sweep_shapes(geo[2]):
+                    if time.time() > deadline:
+                        break
+                    plan = plan_for(case.call(kind), "half", shape)
+                    row = {"geometry": gname, "batch": batch, "seq_len": seq_len,
+                           "q_len": q_len, "kind": kind, "plan": plan.__dict__}
+                    try:
+                        row["ms"] = bench_ms(
+                            lambda c=case, k=kind, p=plan: prefill(c, k, p))
+                        row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def sweep_shapes(head_dim: int) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, num_warps, num_stages) candidates: prefill_asm.sweep_plans's."""
+    from prefill_asm import sweep_plans
+
+    return [(p.block_m, p.block_n, p.num_warps, p.num_stages) for p in sweep_plans(head_dim)]
+
+
+def best_plans(sweep_rows: list[dict]) -> dict:
+    """(geo, kind) -> the tile shape (block_m, block_n, warps, stages) with the least mean time
+    relative to each case's fastest, over the sweep's cases."""
+    totals: dict = {}
+    for r in sweep_rows:
+        if "ms" not in r:
+            continue
+        p = r["plan"]
+        key = (tuple(GEOMETRIES[r["geometry"]]), r["kind"],
+               (p["block_m"], p["block_n"], p["num_warps"], p["num_stages"]))
+        totals.setdefault(key, []).append(r["ms"] / min(
+            x["ms"] for x in sweep_rows if "ms" in x and x["geometry"] == r["geometry"]
+            and x["kind"] == r["kind"] and x["batch"] == r["batch"]
+            and x["q_len"] == r["q_len"]))
+    best: dict = {}
+    for (geo, kind, shape), rel in totals.items():
+        score = sum(rel) / len(rel)
+        if (geo, kind) not in best or score < best[(geo, kind)][0]:
+            best[(geo, kind)] = (score, shape)
+    return {k: shape for k, (_, shape) in best.items()}
+
+
+def _line(row: dict) -> str:
+    head = f"{row['geometry']:10s} {row['batch']}x{row['seq_len']} q{row['q_len']:<5d} " \
+           f"{row['method']:26s}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    deq = f" deq {row['deq_err']:.2e} ({row['err'] / row['deq_err']:.2f}x)" \
+        if "deq_err" in row else ""
+    return f"{head} {row['ms']:8.3f} ms {row['tflops']:6.0f} TF/s err {row['err']:.2e}{deq}"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per case, ms (TFLOP/s) per method; then the errors."""
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    cases = list(dict.fromkeys((r["geometry"], r["batch"], r["seq_len"], r["q_len"])
+                               for r in rows))
+    by = {(r["geometry"], r["batch"], r["seq_len"], r["q_len"], r["method"]): r for r in rows}
+    lines = ["| geometry | B, L, q | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for c in cases:
+        cells = []
+        for n in names:
+            r = by.get((*c, n))
+            cells.append("-" if r is None or "ms" not in r else
+                         f"{r['ms']:.3g} ({r['tflops']:.0f})")
+        lines.append(f"| {c[0]} | {c[1]}, {c[2]}, {c[3]} | " + " | ".join(cells) + " |")
+    lines += ["", "errors (rel. to fp32 on unquantized K/V; INT8: / dequantize-then-attend)",
+              "| geometry | B, L, q | " + " | ".join(names) + " |",
+              "|---|---|" + "---|" * len(names)]
+    for c in cases:
+        cells = []
+        for n in names:
+            r = by.get((*c, n))
+            if r is None or "err" not in r:
+                cells.append("-")
+            elif "deq_err" in r:
+                cells.append(f"{r['err']:.1e} ({r['err'] / r['deq_err']:.2f}x)")
+            else:
+                cells.append(f"{r['err']:.1e}")
+        lines.append(f"| {c[0]} | {c[1]}, {c[2]}, {c[3]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    cases = list(dict.fromkeys((r["geometry"], r["batch"], r["seq_len"], r["q_len"])
+                               for r in rows))
+    by = {(r["geometry"], r["batch"], r["seq_len"], r["q_len"], r["method"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(max(10, 1.1 * len(cases)), 5))
+    width = 0.85 / len(names)
+    for i, n in enumerate(names):
+        ys = [by.get((*c, n), {}).get("tflops", 0.0) for c in cases]
+        ax.bar([x + i * width for x in range(len(cases))], ys, width, label=n)
+    ax.set_xticks([x + 0.425 for x in range(len(cases))])
+    ax.set_xticklabels([f"{g}\n{b}x{s} q{q}" for g, b, s, q in cases], fontsize=7)
+    ax.set_ylabel("TFLOP/s (TOP/s for INT8), causal pairs")
+    ax.set_title("Paged prefill on the H200, bf16 page 16 (bench_prefill.py)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the rows (and the run's environment) here")
+    ap.add_argument("--plot", help="write a bar chart of TFLOP/s here")
+    ap.add_argument("--replot", help="read rows from this JSON instead of running (no GPU)")
+    ap.add_argument("--sweep", action="store_true", help="time the candidate plans")
+    ap.add_argument("--plans", help="a sweep's JSON: run with its best plan per geometry/kind")
+    ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES))
+    ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
+                    default=list(CASES), help="batch,seq_len,q_len ...")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--pv-int8", action="store_true", help="also time P·V as an int8 dot")
+    ap.add_argument("--budget", type=float, default=400, help="seconds; then skip the rest")
+    ap.add_argument("--flex-reserve", type=float, default=120,
+                    help="stop compiling FlexAttention this many seconds before the budget")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.replot:
+        rows = json.loads(Path(args.replot).read_text())["rows"]
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return
+    import triton
+
+    if args.pv_int8:
+        KERNELS.setdefault(*PV_INT8_ENTRY)
+    env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+           "argv": sys.argv[1:]}
+    print(env, flush=True)
+    plans = {}
+    if args.plans:
+        plans = best_plans(json.loads(Path(args.plans).read_text())["rows"])
+        print("tile shapes (block_m, block_n, warps, stages):",
+              {f"{g} {k}": p for (g, k), p in plans.items()}, flush=True)
+    if args.sweep:
+        jobs = [(GEOMETRIES[g], *c, kind, "half", shape) for g in args.geometries
+                for c in SWEEP_CASES for kind in ("bf16", "int8_k", "int8_kv")
+                for shape in sweep_shapes(GEOMETRIES[g][2])]
+        precompile(jobs, args.workers)
+        rows = run_sweep(args)
+    else:
+        jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)))
+                for g in args.geometries for c in args.cases for kind, pv in KERNELS.values()]
+        precompile(jobs, args.workers)
+        rows = run_cases(args, plans)
+        print(table(rows))
+        try:
+            env["compiled_mma"] = compiled_mma()
+            print("compiled prefill kernels' MMA:", sorted({m for r in env["compiled_mma"]
+                                                            for m in r["mma"]}))
+        except Exception as exc:
+            print("could not read the compiled kernels:", exc)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    if args.plot and not args.sweep:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Compile the prefill kernel for sm_90 with no GPU and report what the compiler made of it.
+
+For each geometry x cache kind x plan: the matrix instructions in the PTX (Hopper's
+warpgroup MMA is ``wgmma.mma_async``; its INT8 form ends in ``s32.s8.s8``), the SASS
+counts of HGMMA (16-bit) / IGMMA (int8) / HMMA / IMMA (the older warp-level MMAs), and
+ptxas's registers, spills and shared memory. Triton's own compiler runs against a stand-in
+driver that names the target, so this runs on any machine with Triton installed; on the
+H200 bench_prefill.py --asm reads the same from the kernels it actually ran.
+
+    python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
+    python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers.prefill import paged_call  # noqa: E402
+
+from pagedfuse.ops import prefill_plan as pp  # noqa: E402
+from pagedfuse.ops import triton_prefill as tp  # noqa: E402
+from pagedfuse.ops.reference import quantize_int8_reference  # noqa: E402
+
+GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (32, 4, 64)}
+KINDS = ("bf16", "int8_k", "int8_kv")
+MMA = re.compile(r"\b(HGMMA|IGMMA|QGMMA|HMMA|IMMA)\b")
+
+
+class _TargetOnly:
+    """What Triton's JIT asks a driver for when it compiles without launching."""
+
+    def __init__(self, capability: int):
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def _toolkit(name: str) -> str:
+    """ptxas / cuobjdump as shipped inside Triton's package."""
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def small_call(geo: tuple[int, int, int], kind: str, q_len: int, causal: bool = True):
+    """A CPU PagedCall with the dtypes, strides and alignments of a real one (values unused)."""
+    hq, hkv, d = geo
+    page, seq = 16, max(q_len, 256)
+    blocks = seq // page
+    k = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
+    v = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
+    ks = vs = None
+    if kind != "bf16":
+        k, ks = quantize_int8_reference(k)
+    if kind == "int8_kv":
+        v, vs = quantize_int8_reference(v)
+    return paged_call(torch.randn(q_len, hq, d).to(torch.bfloat16), k, v,
+                      torch.arange(blocks, dtype=torch.int32)[None], torch.tensor([seq]),
+                      torch.tensor([0, q_len]), 1 / math.sqrt(d), causal, key_scale=ks,
+                      value_scale=vs, max_seq_len=seq, max_query_len=q_len)
+
+
+def compile_plan(call, plan: pp.PrefillPlan, capability: int = 90):
+    """The compiled kernel (Triton's CompiledKernel) of ``call`` under ``plan``."""
+    out = torch.empty_like(call.query)
+    q, q_scale = quantize_int8_reference(call.query) if call.int8_k else (call.query, None)
+    launch = tp.launch_args(call, out, plan, q, q_scale)
+    saved = driver._active  # None until a real driver was asked for (none without a GPU)
+    driver.set_active(_TargetOnly(capability))
+    try:
+        return tp.prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+    finally:
+        driver._active = saved
+
+
+def inspect(kernel, ptxas: bool = True) -> dict:
+    """MMA instructions in PTX and SASS; ptxas -v resources (registers, spills)."""
+    ptx = kernel.asm["ptx"]
+    info = {
+        "ptx_mma": sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*", ptx))),
+        "shared_bytes": kernel.metadata.shared,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([_toolkit("cuobjdump"), "--dump-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+        info["sass_mma"] = dict(Counter(MMA.findall(sass)))
+        if ptxas:
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            arch = re.search(r"\.target\s+(\w+)", ptx).group(1)
+            log = subprocess.run([_toolkit("ptxas"), f"-arch={arch}", "-v", str(src), "-o",
+                                  os.devnull], capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", log)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            info["registers"] = int(regs.group(1)) if regs else None
+            info["spill_bytes"] = int(spill.group(1)) + int(spill.group(2)) if spill else None
+    return info
+
+
+def sweep_plans(head_dim: int) -> list[pp.PrefillPlan]:
+    """The candidates bench_prefill.py --sweep times. Pruned offline with this tool: with
+    128-row tiles, 4 warps spill 1-10 KB for head_dim >= 128, and so does block_n 128 at
+    head_dim 256 (and 64-row tiles at 256); 4 stages compile to the same shared memory as
+    3. 64-row tiles with 4 warps fit two or more CTAs per SM for head_dim <= 128 (128-255
+    registers), so one CTA's softmax can overlap another's MMAs."""
+    shapes = {64: ((128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+                   (64, 128, 4, 2)),
+              128: ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2),
+                    (64, 64, 4, 3)),
+              256: ((128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3))}[head_dim]
+    return [pp.PrefillPlan(m, 1, n, w, s) for m, n, w, s in shapes]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plans", choices=("default", "sweep"), default="default")
+    ap.add_argument("--q-len", type=int, default=2048)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    rows = []
+    for name, geo in GEOMETRIES.items():
+        for kind in KINDS:
+            call = small_call(geo, kind, args.q_len)
+            plans = [pp.default_plan(call)]
+            if args.plans == "sweep":
+                plans += [p for p in sweep_plans(geo[2]) if p != plans[0]]
+            for plan in plans:
+                try:
+                    info = inspect(compile_plan(call, plan))
+                except Exception as exc:  # a plan over the shared-memory limit, say
+                    info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                row = {"geometry": name, "kind": kind, "plan": plan.__dict__, **info}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Triton prefill kernels: paged attention for calls with more than one query token.
+
+The decode kernel (triton_paged.py) gives one program a whole sequence and walks its query
+tiles in turn, so an 8K prompt runs on a handful of programs. Here the grid is
+(head pack, query tile, sequence): every tile of every sequence is its own program, so a
+single long prompt fills the GPU. A tile holds ``block_m`` rows, token-major: ``pack``
+query heads of one GQA group (a power of two dividing the group) times ``block_m / pack``
+consecutive query tokens, so one K/V tile read through the block table serves every packed
+head. Short queries pack more heads to fill the rows; long ones take one head and 128
+tokens.
+
+Per tile, keys run in two stages: the keys every row of the tile sees (no masks, no bounds
+checks) and then the diagonal and ragged tail, masked. Causal masking is bottom-right
+aligned (query token t of a sequence with ``n`` queries and ``L`` keys sees keys
+``<= L - n + t``), so tiles above the diagonal are never visited. Softmax is online in
+fp32, in the log2 domain; on tiles with no mask the softmax scale (positive: other calls
+are declined) folds into one FMA per score. Grid sizes come from shapes and the optional
+hints only, and a tile past its sequence's queries exits at once: no host
+synchronisation, so a launch captures in a CUDA graph. Lengths and block ids are clamped
+so that bad values can never move a read outside the cache or the table.
+
+INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
+with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
+the softmax. P·V (``PrefillPlan.pv``): "half" converts int8 V to the activation dtype in
+registers (exact: |v| <= 127) and folds the per-token V scales into P, so P·V is a 16-bit
+dot; "int8" quantizes P per row and runs an int8 dot, as the decode kernel does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedfuse.ops.call import PagedCall
+from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plan, prefill_unsupported
+from pagedfuse.ops.triton_quantize import quantize_int8
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+          k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
+          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+          stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+          INT8_K: tl.constexpr, V_INT8: tl.constexpr, PV_INT8: tl.constexpr,
+          CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr,
+          MASKED: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASKED: the tile may
+    reach past the sequence or the causal diagonal, or carries a bias; otherwise every key
+    is in bounds and visible to every row."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_ok = offs_n < seq_len
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
+    blk = tl.minimum(tl.maximum(blk.to(tl.int64), 0), num_blocks - 1)
+    slot = offs_n % PAGE
+    k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
+    v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+    if MASKED:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0)
+    else:
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
+    if INT8_K:
+        k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k))
+    # log2-domain logits are s * row_scale (row_scale >= 0: the softmax scale is positive)
+    if MASKED:
+        s = s * row_scale[:, None]
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= (ctx + t)[:, None])
+        if HAS_BIAS:
+            bias_off = (b * stride_ab + head[:, None] * stride_ah
+                        + tl.minimum(t, bias_rows - 1)[:, None] * stride_am
+                        + tl.minimum(offs_n, bias_cols - 1)[None, :] * stride_an)
+            bias = tl.load(bias_ptr + bias_off, mask=keep, other=0)
+            if BIAS_BOOL:
+                keep = keep & (bias != 0)
+            else:
+                s += bias.to(tl.float32) * 1.4426950408889634
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp2(s - m_use[:, None])
+    else:  # every key visible: the scale folds into one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_scale)
+        m_use = m_new
+        p = tl.exp2(s * row_scale[:, None] - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0)
+    else:
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
+    if V_INT8:
+        vs_ptrs = vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh
+        if MASKED:  # a slot past the sequence may hold any bits, NaN too: P is 0 there
+            v_scale = tl.load(vs_ptrs, mask=n_ok, other=0.0)
+        else:
+            v_scale = tl.load(vs_ptrs)
+        pv = p * v_scale[None, :]
+        if PV_INT8:
+            p_max = tl.max(tl.abs(pv), axis=1)
+            p_step = tl.where(p_max > 0.0, p_max / 127.0, 1.0)
+            p_q = pv * (1.0 / p_step)[:, None]
+            p_i8 = tl.where(p_q >= 0.0, p_q + 0.5, p_q - 0.5).to(tl.int8)  # round half away
+            acc += tl.dot(p_i8, v, out_dtype=tl.int32).to(tl.float32) * p_step[:, None]
+        else:
+            half = out_ptr.dtype.element_ty  # int8 -> bf16/fp16 is exact
+            acc = tl.dot(pv.to(half), v.to(half), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
+    out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+    GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, INT8_K: tl.constexpr, V_INT8: tl.constexpr,
+    PV_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_BOOL: tl.constexpr, MIN_Q: tl.constexpr,
+):
+    """Grid (num_q_heads / PACK, query tiles, batch). Sequences with fewer than MIN_Q query
+    tokens are left to another kernel (a decode launched beside this one)."""
+    TOKENS: tl.constexpr = BLOCK_M // PACK
+    pid_h = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the longest tiles start first
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * PAGE)
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
+    q_len = q_end - q_start
+    t0 = tile * TOKENS
+    if (t0 >= q_len) | (q_len < MIN_Q):
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    t = t0 + rows // PACK  # query token within the sequence
+    head = pid_h * PACK + rows % PACK
+    kvh = (pid_h * PACK) // GROUP
+    row_ok = t < q_len
+    tok = (q_start + t).to(tl.int64)
+    q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None], other=0)
+    if INT8_K:
+        row_scale = tl.load(qs_ptr + tok * stride_qst + head * stride_qsh, mask=row_ok,
+                            other=0.0) * sm_scale_log2
+    else:
+        row_scale = tl.full([BLOCK_M], sm_scale_log2, tl.float32)
+    ctx = seq_len - q_len  # keys before the first query token
+    if CAUSAL:
+        hi = tl.minimum(seq_len, ctx + t0 + TOKENS)  # the tile's last token sees keys < hi
+        full = ctx + t0 + 1  # ... and its first token keys < full
+    else:
+        hi = seq_len
+        full = seq_len
+    if HAS_BIAS:
+        full = 0
+    full = tl.maximum(tl.minimum(full, hi), 0) // BLOCK_N * BLOCK_N
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _step(
+            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
+            MASKED=False)
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _step(
+            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
+            MASKED=True)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw no key writes zeros
+    out_off = (tok * num_q_heads + head) * HEAD_DIM
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def _bias_args(attn_bias: torch.Tensor | None, unused: torch.Tensor):
+    """(tensor, 4-D strides with 0 on broadcast dims, rows, cols, is_bool); without a bias
+    the pointer slot gets ``unused`` (never read)."""
+    if attn_bias is None:
+        return unused, (0, 0, 0, 0), 1, 1, False
+    bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+    strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape, strict=True))
+    is_bool = bias.dtype == torch.bool
+    return (bias.view(torch.uint8) if is_bool else bias), strides, bias.shape[2], \
+        bias.shape[3], is_bool
+
+
+class Launch(NamedTuple):
+    """One launch of prefill_kernel: grid, positional arguments and constexpr/launch
+    options (separate from the launch itself so that a tool can compile it offline)."""
+
+    grid: tuple[int, int, int]
+    args: tuple
+    options: dict
+
+
+def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.Tensor,
+                q_scale: torch.Tensor | None, min_query_len: int = 0) -> Launch:
+    """The launch of ``call`` under ``plan``; ``q``: the query, int8 for INT8 K, with its
+    per-(token, head) scales ``q_scale`` (None otherwise)."""
+    g = call.geometry
+    q_scale = q if q_scale is None else q_scale  # never read without INT8_K
+    ks = call.key_scale if call.int8_k else q_scale  # never read without INT8_K
+    vs = call.value_scale if call.value_scale is not None else ks
+    bias, bias_strides, bias_rows, bias_cols, bias_bool = _bias_args(call.attn_bias, out)
+    kc, vc = call.key_cache, call.value_cache
+    grid = (g.num_q_heads // plan.pack, triton.cdiv(call.query_bound, plan.tokens), g.batch)
+    args = (
+        q, q_scale, kc, vc, ks, vs, call.block_table, call.seq_lens, call.query_start_loc,
+        bias, out, call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks,
+        g.max_blocks, q.stride(0), q.stride(1),
+        *(q_scale.stride() if call.int8_k else (0, 0)),
+        *kc.stride()[:3], *vc.stride()[:3],
+        *(ks.stride() if call.int8_k else (0, 0, 0)),
+        *(vs.stride() if call.int8_v else (0, 0, 0)),
+        *call.block_table.stride(), *bias_strides, bias_rows, bias_cols,
+    )
+    options = dict(
+        GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        HEAD_DIM=g.head_dim, PAGE=g.block_size, INT8_K=call.int8_k, V_INT8=call.int8_v,
+        PV_INT8=plan.pv == "int8", CAUSAL=call.causal, HAS_BIAS=call.attn_bias is not None,
+        BIAS_BOOL=bias_bool, MIN_Q=min_query_len,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    return Launch(grid, args, options)
+
+
+def prefill_into(call: PagedCall, out: torch.Tensor, plan: PrefillPlan | None = None,
+                 min_query_len: int = 0) -> None:
+    """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call``; ``plan`` overrides
+    the heuristic (default_plan). ``min_query_len``: sequences with fewer query tokens are
+    skipped (their rows of ``out`` left as they are), for a batch whose decode rows another
+    kernel serves."""
+    reason = prefill_unsupported(call)
+    if reason:
+        raise ValueError(f"the prefill kernel cannot run this call: {reason}")
+    plan = plan or default_plan(call)
+    check_plan(call, plan)
+    g = call.geometry
+    if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
+        raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
+                         f"{tuple(out.shape)} strides {tuple(out.stride())}")
+    if g.num_tokens == 0 or g.batch == 0:
+        return
+    q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
+    launch = launch_args(call, out, plan, q, q_scale, min_query_len)
+    prefill_kernel[launch.grid](*launch.args, **launch.options)
