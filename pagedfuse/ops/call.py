@@ -1,14 +1,15 @@
 """The record every kernel backend receives: one validated call of a paged-attention op.
 
-The op checks its arguments once (validate.py) and hands the kernels a frozen ``PagedCall``
-instead of a positional argument list, so a new argument (a window, a soft cap) is one new
-field here and every backend sees it by name. The sizes come from shapes only, never from
-tensor values, so building the record costs no host synchronisation.
+The op checks its arguments once (validate.py) and hands the kernels a ``PagedCall`` instead
+of a positional argument list, so a new argument (a window, a soft cap) is one new field here
+and every backend sees it by name. The sizes come from shapes only, never from tensor
+values, so building the record costs no host synchronisation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,11 +17,17 @@ Tensor = torch.Tensor
 
 FLOAT_OP = "paged_attention"
 INT8_OP = "paged_attention_int8"
+OPS = (FLOAT_OP, INT8_OP)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Geometry:
-    """The sizes of a call, read off the shapes (SymInts under a fake trace)."""
+    """The sizes of a call, read off the shapes (SymInts under a fake trace).
+
+    Compared by identity: for real tensors check_metadata makes one Geometry per call
+    signature (every argument's shape, strides, dtype and device) and returns that same
+    object for each call with it, so a cache keyed on a Geometry is keyed on the signature.
+    """
 
     num_tokens: int
     num_q_heads: int
@@ -37,13 +44,14 @@ class Geometry:
         return self.num_q_heads // self.num_kv_heads
 
 
-@dataclass(frozen=True)
-class PagedCall:
+class PagedCall(NamedTuple):
     """The op's validated arguments, as the schema names them, plus the geometry.
 
     ``key_scale`` is None for the float op; ``value_scale`` is None unless the value cache is
     int8. ``max_seq_len`` / ``max_query_len`` are optional upper bounds the caller knows
     (the rewrite fills them in); the properties below fall back to shape bounds without them.
+    A NamedTuple rather than a frozen dataclass: it is built on every eager call, and a
+    tuple builds in a fifth of the time.
     """
 
     op: str
