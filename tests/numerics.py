@@ -1,15 +1,6 @@
-"""Error measures shared by the tests (computed in float64 on the CPU)."""
+"""The error measures under their old import path, for test modules not yet switched to
+pagedfuse.numerics (the one source of measures and tolerances)."""
 
-import torch
+from pagedfuse.numerics import max_rel_err, rel_err
 
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want||: the whole-tensor relative error DESIGN.md's tolerances use."""
-    got, want = got.detach().cpu().double(), want.detach().cpu().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|: the worst element, against the largest reference value."""
-    got, want = got.detach().cpu().double(), want.detach().cpu().double()
-    return float((got - want).abs().max() / want.abs().max())
+__all__ = ["max_rel_err", "rel_err"]
