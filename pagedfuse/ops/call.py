@@ -17,7 +17,6 @@ Tensor = torch.Tensor
 
 FLOAT_OP = "paged_attention"
 INT8_OP = "paged_attention_int8"
-OPS = (FLOAT_OP, INT8_OP)
 
 
 @dataclass(frozen=True, eq=False)

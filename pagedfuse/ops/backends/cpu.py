@@ -6,8 +6,8 @@ from pagedfuse.ops import cpu
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP
 
-# The head dims csrc/ instantiates its kernels for: the float kernels at each, the INT8 ones
-# (VNNI dot products over whole 64-element chunks) at multiples of 64.
+# The head dims the C++ kernels serve (and tests/test_cpu_kernels.py covers); the INT8 ones
+# fewer, as their integer dot products are exact in fp32 only up to head_dim 256.
 FLOAT_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 160, 192, 256})
 INT8_HEAD_DIMS = frozenset({64, 128, 256})
 
