@@ -923,8 +923,7 @@ def _pf_call(case: Case, kind: str, backend: str | None = None, config=None, spl
         raise ValueError(f"{chosen.name} cannot run this call: {why}")
     plan = None
     if (config, splits, pdl) != (None, None, None):
-        plan = {"triton": pf_triton, "cuda_decode": cuda_decode}[chosen.name].make_plan(
-            call, config, splits)
+        plan = chosen.make_plan(call, config, splits)
         if pdl is not None:
             plan = plan._replace(pdl=pdl and pf_cuda.pdl_capable(case.q.device))
     out = torch.empty_like(case.q)

@@ -68,7 +68,7 @@ out-of-range block ids) for compute-sanitizer."""
 import sys
 import torch
 sys.path.insert(0, "tests")
-from test_cuda_kernels import gpu_case, lengths, run
+from helpers.cuda_cases import gpu_case, lengths, run
 from pagedfuse.ops.backends import cuda_decode
 
 cases = [

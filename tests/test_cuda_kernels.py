@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.cases import KINDS, Case, make_case, quantized, random_lengths
+from helpers.cases import KINDS, Case, quantized
+from helpers.cuda_cases import gpu_case, lengths, run
 
 from pagedfuse import numerics
 from pagedfuse.ops import cuda_native
@@ -26,28 +27,6 @@ from pagedfuse.ops.backends import cuda_decode, triton  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-PLANS = {"triton": triton.make_plan, "cuda_decode": cuda_decode.make_plan}
-
-
-def gpu_case(**spec) -> Case:
-    return make_case(**{"dtype": bf16, **spec}, device="cuda")
-
-
-def lengths(batch: int, page: int = 16) -> list[int]:
-    """Random lengths up to a few pages past four, so most end mid-page."""
-    return random_lengths(batch, 4 * page + 39, seed=batch)
-
-
-def run(case: Case, backend: str | None = None, max_seq_len: int | None = None,
-        max_query_len: int | None = None, **plan) -> torch.Tensor:
-    """``backend`` (default: the op's choice for the call) into a NaN-poisoned output; any
-    ``plan`` arguments (config, splits) go to that backend's make_plan."""
-    call = case.call(max_seq_len, max_query_len)
-    chosen = get_backend(backend) if backend else choose(call)
-    if backend:
-        assert reason(chosen, call) is None, reason(chosen, call)
-    return case.run_backend(chosen, PLANS[chosen.name](call, **plan) if plan else None,
-                            max_seq_len, max_query_len)
 
 
 def tol(case: Case) -> float:

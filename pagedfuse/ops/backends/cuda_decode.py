@@ -134,4 +134,5 @@ def run(call: PagedCall, out: torch.Tensor, plan: DecodePlan | None = None) -> N
 
 BACKEND = register_backend(Backend(
     name="cuda_decode", device="cuda", priority=200,
-    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run))
+    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run,
+    make_plan=make_plan))

@@ -46,7 +46,8 @@ class Backend:
     and head_dim it serves (None: it can). ``run(call, out, plan)`` fills the contiguous
     ``out`` [T, Hq, D]; ``plan`` None means the backend's own choice for the call, otherwise a
     backend-specific launch plan (how benchmarks pin tile shapes and split counts).
-    ``quantize``: its quantize_int8 kernel, if it has one.
+    ``make_plan(call, **overrides)``: the plan ``run`` would choose, with the overrides it
+    names (a backend with launch choices). ``quantize``: its quantize_int8 kernel, if any.
     """
 
     name: str
@@ -55,6 +56,7 @@ class Backend:
     head_dims: Mapping[str, Collection[int] | None]
     run: Run
     supports: Supports = _takes_all
+    make_plan: Callable[..., object] | None = None
     quantize: Quantize | None = None
 
 

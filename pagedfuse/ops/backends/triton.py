@@ -127,4 +127,5 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
 
 BACKEND = register_backend(Backend(
     name="triton", device="cuda", priority=100,
-    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, run=run, quantize=quantize_int8))
+    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, run=run, make_plan=make_plan,
+    quantize=quantize_int8))
