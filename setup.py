@@ -1,21 +1,35 @@
 """Builds pagedfuse._C (C++ CPU kernels, pybind11) and, where nvcc and a CUDA build of torch
 are present, pagedfuse._cuda_kernels (CUDA C++ kernels with a C ABI, loaded with ctypes).
 
-Neither links libtorch, so one build serves every torch version. PAGEDFUSE_CUDA=1 forces
-the CUDA library (and fails without nvcc), PAGEDFUSE_CUDA=0 skips it; PAGEDFUSE_CUDA_ARCH
-lists the compute capabilities to build for (default "80;90": sm_80 and sm_90 machine
-code, plus sm_90 PTX for newer GPUs); PAGEDFUSE_NVCC_FLAGS adds nvcc flags (e.g. a -D of a
-kernel variant to time).
+Neither links libtorch, so one build serves every torch version. The build switches
+(PAGEDFUSE_CUDA, PAGEDFUSE_CUDA_ARCH, PAGEDFUSE_NVCC_FLAGS) are declared with every other
+PAGEDFUSE_* variable in pagedfuse/envs.py, loaded here by path: the package itself cannot be
+imported before it is built.
 """
 
+import importlib.util
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+
+def _load_envs():
+    spec = importlib.util.spec_from_file_location(
+        "pagedfuse_envs", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "pagedfuse", "envs.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+envs = _load_envs()
 
 
 class NvccLibrary(Extension):
@@ -29,7 +43,7 @@ def _nvcc() -> str | None:
 
 
 def _cuda_wanted() -> bool:
-    flag = os.environ.get("PAGEDFUSE_CUDA", "auto")
+    flag = envs.PAGEDFUSE_CUDA
     if flag in ("0", "1"):
         return flag == "1"
     try:
@@ -47,7 +61,7 @@ class BuildExt(build_ext):
         nvcc = _nvcc()
         if nvcc is None:
             raise RuntimeError("PAGEDFUSE_CUDA=1 but no nvcc (set CUDA_HOME or PATH)")
-        archs = os.environ.get("PAGEDFUSE_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+        archs = envs.PAGEDFUSE_CUDA_ARCH.replace(",", ";").split(";")
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
         target = self.get_ext_fullpath(ext.name)
@@ -56,7 +70,7 @@ class BuildExt(build_ext):
         # target take about a minute each).
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
                "--threads", "0",
-               *shlex.split(os.environ.get("PAGEDFUSE_NVCC_FLAGS", "")), *gencode,
+               *shlex.split(envs.PAGEDFUSE_NVCC_FLAGS), *gencode,
                *ext.sources, "-o", target]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)

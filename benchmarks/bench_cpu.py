@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedfuse import envs
 from pagedfuse.ops import cpu  # also registers torch.ops.pagedfuse.*
 
 SHAPES = ((32, 8, 128), (24, 4, 256))  # (Hq, Hkv, D)
@@ -153,8 +154,8 @@ def main() -> None:
     if bar is not None:
         bar.close()
 
-    command = "PAGEDFUSE_CPU_ISA={} {}".format(
-        os.environ.get("PAGEDFUSE_CPU_ISA", "auto"), shlex.join([sys.executable, *sys.argv]))
+    invocation = shlex.join([sys.executable, *sys.argv])
+    command = f"PAGEDFUSE_CPU_ISA={envs.PAGEDFUSE_CPU_ISA} {invocation}"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
         f"\n## CPU decode, {stamp}\n",

@@ -40,15 +40,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse.ops import cuda_native
+from pagedfuse.ops.backends import choose, get_backend, reason
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.validate import build_call
 
 try:  # timing needs Triton and pagedfuse's CUDA kernels; --replot runs without them
     import triton
     import triton.testing
 
     from pagedfuse.ops import cuda as pf_cuda
+    from pagedfuse.ops.backends import cuda_decode
+    from pagedfuse.ops.backends import triton as pf_triton
     from pagedfuse.ops.triton_paged import LOG2E
 except ImportError:
-    triton = pf_cuda = None
+    triton = pf_cuda = cuda_decode = pf_triton = None
 
 GEOMETRIES = {"qwen35": (24, 4, 256), "tinyllama": (32, 4, 64), "llama3_8b": (32, 8, 128)}
 BATCHES = (1, 8, 64)
@@ -135,15 +141,15 @@ class Case:
                 self.q, self.k8, self.ks, self.v8, self.vs, self.table, self.scale)),
             "pagedfuse bf16": ("bf16", lambda: OPS.paged_attention(
                 self.q, self.k, self.v, *tail)),
-            "pagedfuse bf16 Triton": ("bf16", lambda: _pf_call(self, "bf16", native=False)),
+            "pagedfuse bf16 Triton": ("bf16", lambda: _pf_call(self, "bf16", "triton")),
             "pagedfuse INT8 K+V": ("int8_kv", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v8, self.ks, self.vs, *tail)),
             "pagedfuse INT8 K+V Triton": ("int8_kv", lambda: _pf_call(self, "int8_kv",
-                                                                      native=False)),
+                                                                      "triton")),
             "pagedfuse INT8 K": ("int8_k", lambda: OPS.paged_attention_int8(
                 self.q, self.k8, self.v, self.ks, None, *tail)),
             "pagedfuse INT8 K Triton": ("int8_k", lambda: _pf_call(self, "int8_k",
-                                                                   native=False)),
+                                                                   "triton")),
         }
 
     @property
@@ -554,16 +560,16 @@ def sweep_native(bw: float, kinds: tuple[str, ...] = tuple(NATIVE_KIND)) -> None
         for kind in kinds:
             native = NATIVE_KIND[kind]
             floor_us = case.bytes(kind) / bw * 1e6
-            triton_us = bench(lambda k=kind: _pf_call(case, k, native=False), reps)
-            default = pf_cuda.native_config(native, d, hkv, batch, device)
-            auto = pf_cuda.num_kv_splits(batch, hkv, d, length, pf_cuda._sm_count(device),
+            triton_us = bench(lambda k=kind: _pf_call(case, k, "triton"), reps)
+            default = cuda_decode.native_config(native, d, hkv, batch, device)
+            auto = pf_cuda.num_kv_splits(batch, hkv, d, length, pf_cuda.sm_count(device),
                                          default)
             line = []
-            for heads in (h for h in pf_cuda.cuda_native.HEADS_PER_CTA if hkv % h == 0):
-                config = pf_cuda.native_config(native, d, hkv, batch, device, heads)
+            for heads in (h for h in cuda_native.HEADS_PER_CTA if hkv % h == 0):
+                config = cuda_decode.native_config(native, d, hkv, batch, device, heads)
                 for n in ((2, 4, 6, 8, 12, 16) if batch == 8 else (1, 2, 3, 4)):
                     us = bench(lambda n=n, c=config, k=kind: _pf_call(
-                        case, k, config=c, splits=n, native=True), reps)
+                        case, k, "cuda_decode", config=c, splits=n), reps)
                     line.append(f"{heads}/{n}: {us:.1f} ({100 * floor_us / us:.0f}%)")
             print(f"{kind} {gname} B={batch} L={length}: Triton {triton_us:.1f} "
                   f"({100 * floor_us / triton_us:.0f}%); CUDA C++ by heads per CTA/splits "
@@ -650,8 +656,8 @@ def sweep_targets(bw: float) -> None:
 
 def _balanced_us(case: Case, kind: str, config: pf_cuda.LaunchConfig, reps: dict) -> float:
     """bench() of the CUDA C++ decode's balanced grid with ``config``'s heads per CTA."""
-    return bench(lambda: _pf_call(case, kind, config=config, splits=pf_cuda.BALANCED,
-                                  native=True), reps)
+    return bench(lambda: _pf_call(case, kind, "cuda_decode", config=config,
+                                  splits=cuda_decode.BALANCED), reps)
 
 
 def sweep_balanced(bw: float) -> None:
@@ -666,8 +672,9 @@ def sweep_balanced(bw: float) -> None:
         for kind in TARGET_RATIOS:
             us = bench(lambda k=kind: _pf_call(case, k), reps)
             cells = [f"default {us:.1f} ({us / contig_us:.3f}x)"]
-            for heads in (h for h in pf_cuda.cuda_native.HEADS_PER_CTA if hkv % h == 0):
-                config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, batch, device, heads)
+            for heads in (h for h in cuda_native.HEADS_PER_CTA if hkv % h == 0):
+                config = cuda_decode.native_config(NATIVE_KIND[kind], d, hkv, batch, device,
+                                                   heads)
                 us = _balanced_us(case, kind, config, reps)
                 cells.append(f"balanced/{heads} {us:.1f} ({us / contig_us:.3f}x)")
             print(f"balanced {gname} B={batch} L={case.length} {kind}: {', '.join(cells)}; "
@@ -717,10 +724,8 @@ def sweep_overhead(bw: float) -> None:
     def visit(gname: str, case: Case) -> None:
         cells = []
         for kind in TARGET_RATIOS:
-            pf_cuda.PDL = False
-            off = bench(lambda k=kind: _pf_call(case, k), reps)
-            pf_cuda.PDL = True
-            on = bench(lambda k=kind: _pf_call(case, k), reps)
+            off = bench(lambda k=kind: _pf_call(case, k, pdl=False), reps)
+            on = bench(lambda k=kind: _pf_call(case, k, pdl=True), reps)
             alone = bench(_decode_alone(case, kind), reps)
             alone_at[gname, kind, case.batch, case.length] = alone, case.bytes(kind)
             floor_us = case.bytes(kind) / bw * 1e6
@@ -730,9 +735,7 @@ def sweep_overhead(bw: float) -> None:
         print(f"overhead {gname} B={case.batch} L={case.length}: {'; '.join(cells)}; "
               f"quantize alone {quantize:.1f}", flush=True)
 
-    pdl = pf_cuda.PDL
     _each_case(OVERHEAD_POINTS, visit)
-    pf_cuda.PDL = pdl  # PAGEDFUSE_PDL's setting again, for what runs after
     for gname in GEOMETRIES:
         for kind in TARGET_RATIOS:
             short = alone_at.get((gname, kind, 64, 8192))
@@ -753,31 +756,28 @@ def fixed_and_rate(short_us: float, short_bytes: int, long_us: float,
 def default_launch(case: Case, kind: str) -> tuple[pf_cuda.LaunchConfig, int]:
     """The CUDA C++ decode's (config, splits) for a default call of ``kind`` on ``case``."""
     _, hkv, d = case.geo
-    config = pf_cuda.native_config(NATIVE_KIND[kind], d, hkv, case.batch, case.q.device)
+    config = cuda_decode.native_config(NATIVE_KIND[kind], d, hkv, case.batch, case.q.device)
     return config, pf_cuda.num_kv_splits(case.batch, hkv, d, case.length,
-                                         pf_cuda._sm_count(case.q.device), config)
+                                         pf_cuda.sm_count(case.q.device), config)
 
 
 def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
     """The CUDA C++ decode kernel of a default call, launched plainly, without the query's
     quantization (done here, once) or the split combine."""
-    from pagedfuse.ops import cuda_native
-
     d = case.geo[2]
     config, splits = default_launch(case, kind)
-    k, v, ks, vs = case.caches(kind)
-    q, q_scale = OPS.quantize_int8(case.q) if ks is not None else (case.q, None)
+    call = _call(case, kind)
+    q, q_scale = OPS.quantize_int8(case.q) if call.int8_k else (case.q, None)
     out = torch.empty_like(case.q)
     parts = torch.empty(splits * case.q.numel() // d * (d + 1), device="cuda")
     part_o, part_lse = parts[: splits * case.q.numel()], parts[splits * case.q.numel():]
     return lambda: cuda_native.decode_into(
-        out, q, q_scale, k, v, ks, vs, *case.block_args, case.scale * LOG2E, splits,
-        config.heads, part_o, part_lse)
+        call, out, q, q_scale, case.scale * LOG2E, splits, config.heads, part_o, part_lse)
 
 
 def sweep(bw: float, what: str) -> None:
     """GPU-time sweeps: the CUDA C++ decode ("native"), the Triton bf16 and INT8 K tile
-    configs ("tiles"), the bf16 split counts ("splits"), the block table's order
+    configs ("tiles"), the bf16 split counts of the default path ("splits"), the block table's order
     ("locality"), the default paths at the target points ("targets"), the balanced grid
     ("balanced"; "skew": on one long sequence among short ones), the host cost of
     an eager call ("host") or the fixed costs around the decode kernel ("overhead")."""
@@ -803,7 +803,7 @@ def sweep(bw: float, what: str) -> None:
             for cfg, n in ((pf_cuda.LaunchConfig(*c), n) for c in configs for n in splits):
                 try:
                     us = bench(lambda c=cfg, k=kind, n=n, cs=case: _pf_call(
-                        cs, k, config=c, splits=n), reps)
+                        cs, k, "triton", config=c, splits=n), reps)
                 except Exception as exc:
                     print(f"  {gname} {kind} {cfg}: {type(exc).__name__}")
                     continue
@@ -823,8 +823,8 @@ def sweep(bw: float, what: str) -> None:
             for splits in SPLITS:
                 us = bench(lambda s=splits, cs=case: _pf_call(cs, "bf16", splits=s), reps)
                 line.append(f"{splits}:{us:.1f}({100 * floor_us / us:.0f}%)")
-            auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length, pf_cuda._sm_count(
-                torch.device("cuda")), pf_cuda.launch_config(False))
+            auto = pf_cuda.num_kv_splits(batch, geo[1], geo[2], length, pf_cuda.sm_count(
+                torch.device("cuda")), pf_triton.launch_config(False))
             print(f"splits {gname} B={batch} L={length} (auto {auto}): " + " ".join(line),
                   flush=True)
             del case
@@ -843,11 +843,11 @@ def split_check(bw: float) -> str:
         case = Case(geo, 64, 8192)
         for kind in ("bf16", "int8_kv", "int8_k"):
             native = _default_native(kind, geo[2])
-            config = (pf_cuda.native_config(NATIVE_KIND[kind], geo[2], geo[1], 64,
-                                            torch.device("cuda"))
-                      if native else pf_cuda.launch_config(kind != "bf16"))
+            config = (cuda_decode.native_config(NATIVE_KIND[kind], geo[2], geo[1], 64,
+                                                torch.device("cuda"))
+                      if native else pf_triton.launch_config(kind != "bf16"))
             auto = pf_cuda.num_kv_splits(64, geo[1], geo[2], 8192,
-                                         pf_cuda._sm_count(torch.device("cuda")), config)
+                                         pf_cuda.sm_count(torch.device("cuda")), config)
             times = {s: bench(lambda s=s, k=kind, cs=case: _pf_call(cs, k, splits=s), reps)
                      for s in sorted({*SPLIT_CHECK, auto})}
             floor_us = case.bytes(kind) / bw * 1e6
@@ -868,6 +868,8 @@ def host_overhead() -> str:
 
     case = Case(GEOMETRIES["llama3_8b"], 1, 1536)
     tail = (*case.block_args, case.scale, False, None, case.length, 1)
+    call = _call(case, "bf16")
+    backend = choose(call)
     out = torch.empty_like(case.q)
     rows, splits, hd = case.q.shape[1], 8, case.q.shape[2]
     parts = torch.zeros(splits * rows * (hd + 1), device="cuda")
@@ -876,9 +878,7 @@ def host_overhead() -> str:
             lambda: OPS.paged_attention(case.q, case.k, case.v, *tail),
         "op call (.default, under inference_mode)":
             lambda: OPS.paged_attention.default(case.q, case.k, case.v, *tail),
-        "kernel wrapper alone (paged_attention_into)":
-            lambda: pf_cuda.paged_attention_into(out, case.q, case.k, case.v,
-                                                 None, None, *tail),
+        f"backend run alone ({backend.name})": lambda: backend.run(call, out, None),
         "check_metadata alone": lambda: check_metadata(
             "paged_attention", case.q, case.k, case.v, *case.block_args, case.scale, None),
         "Triton split combine launch alone (in the kernel wrapper's cost: B=1 has splits)":
@@ -904,11 +904,30 @@ def host_overhead() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pf_call(case: Case, kind: str, config=None, splits=None, native=None) -> torch.Tensor:
+def _call(case: Case, kind: str) -> PagedCall:
+    """The validated decode call of ``case`` over its ``kind`` caches (hints: the length and
+    one query token, as the rewrite passes them)."""
+    k, v, ks, vs = case.caches(kind)
+    return build_call(FLOAT_OP if ks is None else INT8_OP, case.q, k, v, ks, vs,
+                      *case.block_args, case.scale, False, None, case.length, 1)
+
+
+def _pf_call(case: Case, kind: str, backend: str | None = None, config=None, splits=None,
+             pdl: bool | None = None) -> torch.Tensor:
+    """One decode of ``kind`` on ``case`` by ``backend`` (default: the op's choice), with its
+    plan's ``config`` / ``splits`` / programmatic dependent launch pinned where given."""
+    call = _call(case, kind)
+    chosen = choose(call) if backend is None else get_backend(backend)
+    why = reason(chosen, call)
+    if why is not None:
+        raise ValueError(f"{chosen.name} cannot run this call: {why}")
+    plan = None
+    if (config, splits, pdl) != (None, None, None):
+        plan = chosen.make_plan(call, config, splits)
+        if pdl is not None:
+            plan = plan._replace(pdl=pdl and pf_cuda.pdl_capable(case.q.device))
     out = torch.empty_like(case.q)
-    pf_cuda.paged_attention_into(out, case.q, *case.caches(kind), *case.block_args, case.scale,
-                                 False, None, case.length, 1, config=config, splits=splits,
-                                 native=native)
+    chosen.run(call, out, plan)
     return out
 
 
@@ -920,15 +939,17 @@ def _native_reason(kind: str) -> str | None:
                     dtype=torch.bfloat16 if kind == "bf16" else torch.int8)
     v = k if kind != "int8_k" else q.new_empty(k.shape)
     scale = None if kind == "bf16" else torch.empty(1, 16, 8, device="cuda")
-    table = torch.zeros(1, 1, device="cuda", dtype=torch.int32)
-    return pf_cuda.native_reason(q, k, v, scale, scale if kind == "int8_kv" else None,
-                                 table, None, 1)
+    lens = torch.ones(1, device="cuda", dtype=torch.int32)
+    starts = torch.arange(2, device="cuda", dtype=torch.int32)
+    call = build_call(FLOAT_OP if scale is None else INT8_OP, q, k, v, scale,
+                      scale if kind == "int8_kv" else None, lens[:, None], lens, starts,
+                      0.1, False, None, 1, 1)
+    return reason(get_backend("cuda_decode"), call)
 
 
 def _default_native(kind: str, head_dim: int) -> bool:
     """Whether the op's default path for this format and head_dim is the CUDA C++ decode."""
-    return (_native_reason(kind) is None
-            and head_dim in pf_cuda.cuda_native.HEAD_DIMS)
+    return _native_reason(kind) is None and head_dim in cuda_decode.HEAD_DIMS
 
 
 def _native_path(kind: str) -> str:
@@ -936,7 +957,7 @@ def _native_path(kind: str) -> str:
     reason = _native_reason(kind)
     if reason is not None:
         return f"Triton ({reason})"
-    native = pf_cuda.cuda_native.HEAD_DIMS
+    native = sorted(cuda_decode.HEAD_DIMS)
     others = sorted({g[2] for g in GEOMETRIES.values()} - set(native))
     return f"CUDA C++ at head_dim {', '.join(map(str, native))}" + (
         f", Triton at {', '.join(map(str, others))}" if others else "")

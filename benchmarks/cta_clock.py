@@ -53,7 +53,7 @@ def timeline(case: Case, kind: str, lib: ctypes.CDLL, flush: torch.Tensor) -> st
     """One line: the default call of ``kind`` on ``case``, timed and stamped."""
     config, splits = default_launch(case, kind)
     ctas = case.geo[1] // config.heads * case.batch * splits
-    sms = pf_cuda._sm_count(case.q.device)
+    sms = pf_cuda.sm_count(case.q.device)
     graph = captured(lambda: _pf_call(case, kind))
     runs = [(replay_us(graph, flush.zero_), stamps(lib, ctas)) for _ in range(REPLAYS)]
     event_us, t = sorted(runs, key=lambda run: run[0])[REPLAYS // 2]

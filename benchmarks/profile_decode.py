@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_out, pf_cuda
+from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_out, cuda_decode
 
 
 def main() -> None:
@@ -32,12 +32,12 @@ def main() -> None:
     if args.kind == "contiguous":
         call = lambda: contiguous_out(case)  # noqa: E731
     else:
-        native = None if args.heads is None else True
-        config = native and pf_cuda.native_config(
+        backend = None if args.heads is None else "cuda_decode"
+        config = backend and cuda_decode.native_config(
             NATIVE_KIND[args.kind], case.geo[2], case.geo[1], case.batch, torch.device("cuda"),
             args.heads)
-        call = lambda: _pf_call(case, args.kind, config=config,  # noqa: E731
-                                splits=args.splits, native=native)
+        call = lambda: _pf_call(case, args.kind, backend, config=config,  # noqa: E731
+                                splits=args.splits)
     for _ in range(args.calls):
         call()
     torch.cuda.synchronize()

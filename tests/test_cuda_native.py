@@ -8,19 +8,26 @@ import pytest
 import torch
 
 from pagedfuse.ops import cuda_native
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, Geometry, PagedCall
 
 NOT_BUILT = "pagedfuse._cuda_kernels not built for this device"
 
 
-def _args(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0, cache=None, scale=None,
-          cache_dtype=torch.int8):
-    query = torch.zeros(3, hq, d, dtype=dtype)
+def _call(dtype=torch.bfloat16, hq=8, hkv=2, d=128, row_pad=0, cache=None, scale=None,
+          cache_dtype=torch.int8, batch=3) -> PagedCall:
+    """A decode call built by hand: check_metadata would refuse some of these caches (rows
+    not 16-byte aligned), whose refusal by the binding itself is under test."""
+    query = torch.zeros(batch, hq, d, dtype=dtype)
     if cache is None:
         cache = torch.zeros(4, 16, hkv, d + row_pad, dtype=cache_dtype)[..., :d]
     if scale is None and cache.dtype == torch.int8:
         scale = torch.zeros(cache.shape[:3])
-    table = torch.zeros(3, 5, dtype=torch.int32)
-    return query, cache, cache, scale, scale, table, hq // hkv
+    table = torch.zeros(batch, 5, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    num_blocks, block_size, num_kv_heads, _ = cache.shape
+    geometry = Geometry(batch, hq, num_kv_heads, d, num_blocks, block_size, batch, 5)
+    return PagedCall(INT8_OP if scale is not None else FLOAT_OP, query, cache, cache, scale,
+                     scale, table, table[:, 0], starts, 1.0, False, None, None, 1, geometry)
 
 
 def _spread(shape, strides, dtype):
@@ -30,13 +37,12 @@ def _spread(shape, strides, dtype):
 
 def test_cpu_tensors_never_take_the_cuda_library():
     assert not cuda_native.decode_available(torch.device("cpu"))
-    assert cuda_native.decode_unsupported(*_args()) == NOT_BUILT
-    assert cuda_native.decode_unsupported(*_args(cache_dtype=torch.bfloat16)) == NOT_BUILT
+    assert cuda_native.decode_unsupported(_call()) == NOT_BUILT
+    assert cuda_native.decode_unsupported(_call(cache_dtype=torch.bfloat16)) == NOT_BUILT
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
     (dict(dtype=torch.float32), "query dtype torch.float32 (bfloat16 or float16 only)"),
-    (dict(d=96), "head_dim 96"),
     (dict(hq=32, hkv=2), "16 query heads per KV head (at most 8)"),
     (dict(row_pad=8), "cache rows not 16-byte aligned"),
     (dict(row_pad=4, cache_dtype=torch.bfloat16), "cache rows not 16-byte aligned"),
@@ -49,7 +55,7 @@ def test_cpu_tensors_never_take_the_cuda_library():
      "cache or table offsets beyond 32 bits"),
 ])
 def test_unsupported_calls_say_why(kwargs, reason):
-    assert cuda_native.decode_unsupported(*_args(**kwargs)) == reason
+    assert cuda_native.decode_unsupported(_call(**kwargs)) == reason
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
@@ -60,7 +66,7 @@ def test_the_offset_limit_is_exact(dtype):
     for stride, reason in ((2**36 - 16, NOT_BUILT),
                            (2**36, "cache or table offsets beyond 32 bits")):
         cache = _spread((2, 1, 2, 128), (stride // size, 256, 128, 1), dtype)
-        assert cuda_native.decode_unsupported(*_args(cache=cache)) == reason
+        assert cuda_native.decode_unsupported(_call(cache=cache)) == reason
 
 
 def test_kind_follows_the_cache_dtypes():
@@ -99,10 +105,10 @@ def test_heads_per_cta_divide_the_kv_heads_and_fill_one_wave(tuned, num_kv_heads
 @pytest.mark.parametrize(("heads", "num_kv_heads"), [(3, 6), (8, 8), (0, 4), (4, 6)])
 def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
     """Checked before the library is asked, so on any machine."""
-    query, cache, _, scale, _, table, _ = _args(hq=num_kv_heads, hkv=num_kv_heads)
+    call = _call(hq=num_kv_heads, hkv=num_kv_heads)
+    query = call.query
     with pytest.raises(ValueError, match=f"heads={heads}: KV heads per CTA must be one of"):
-        cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
-                                table[:, 0], table[:, 0], 1.0, 1, heads, query, query)
+        cuda_native.decode_into(call, query, query, None, 1.0, 1, heads, query, query)
 
 
 @pytest.mark.parametrize(("batch", "counters", "ctas", "error"), [
@@ -115,10 +121,9 @@ def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
 ])
 def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas, error):
     """Checked before the library is asked, so on any machine."""
-    query, cache, _, scale, _, _, _ = _args()
-    table = torch.zeros(batch, 5, dtype=torch.int32)
+    call = _call(batch=batch)
+    query = call.query
     counts = None if counters is None else torch.zeros(counters, dtype=torch.int32)
     with pytest.raises(ValueError, match=error):
-        cuda_native.decode_into(query, query, None, cache, cache, scale, scale, table,
-                                table[:, 0], table[:, 0], 1.0, 0, 1, query, query,
+        cuda_native.decode_into(call, query, query, None, 1.0, 0, 1, query, query,
                                 ctas=ctas, counters=counts)

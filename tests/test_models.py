@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import max_rel_err
 
 from pagedfuse.models import (
     PRESETS,
@@ -17,6 +16,7 @@ from pagedfuse.models import (
     generate,
     preset,
 )
+from pagedfuse.numerics import max_rel_err
 
 BATCH, PROMPT_LEN, STEPS, BLOCK_SIZE = 2, 6, 4, 4  # 10 tokens over 3 blocks per sequence
 

@@ -42,7 +42,6 @@ CPU_BACKENDS = ("portable", "avx512")
 # the CUDA C++ decode (its own splits, 3 splits, the balanced grid), decode cases only.
 GPU_BACKENDS = ("triton", "triton_splits", "cuda_native", "cuda_native_splits",
                 "cuda_native_balanced")
-GPU_SPLITS = {"triton_splits": 3, "cuda_native_splits": 3, "cuda_native_balanced": 0}
 SENTINEL = 1234.5  # the second poison: finite, so an unwritten element where NaN is due shows
 NAN, INF = float("nan"), float("inf")
 
@@ -196,21 +195,27 @@ def run_op(c: Case) -> torch.Tensor:
                                     c.value_scale, **common)
 
 
+# The registry backend and its plan overrides behind each GPU path of GPU_BACKENDS.
+GPU_PATHS = {"triton": ("triton", {}), "triton_splits": ("triton", {"splits": 3}),
+             "cuda_native": ("cuda_decode", {}),
+             "cuda_native_splits": ("cuda_decode", {"splits": 3}),
+             "cuda_native_balanced": ("cuda_decode", {"splits": 0})}
+
+
 def run_kernel(backend: str, c: Case, poison: float) -> torch.Tensor:
     """The backend's kernel straight into an output filled with ``poison``."""
+    from pagedfuse.ops.backends import get_backend
+    from pagedfuse.ops.validate import build_call
+
     out = torch.full(c.query.shape, poison, dtype=c.query.dtype, device=c.query.device)
-    args = (out, c.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale,
-            c.block_table, c.seq_lens, c.query_start_loc, c.scale, c.causal, c.attn_bias,
-            None, None)
-    if backend in CPU_BACKENDS:
-        from pagedfuse.ops import cpu
-
-        cpu.paged_attention_into(*args)
-    else:
-        from pagedfuse.ops import cuda
-
-        cuda.paged_attention_into(*args, splits=GPU_SPLITS.get(backend),
-                                  native=_decode_only(backend))
+    call = build_call("paged_attention" if c.key_scale is None else "paged_attention_int8",
+                      c.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale,
+                      c.block_table, c.seq_lens, c.query_start_loc, c.scale, c.causal,
+                      c.attn_bias)
+    name, overrides = ("cpu", {}) if backend in CPU_BACKENDS else GPU_PATHS[backend]
+    kernel = get_backend(name)
+    plan = kernel.make_plan(call, **overrides) if overrides else None
+    kernel.run(call, out, plan)
     return out
 
 
@@ -218,7 +223,7 @@ def outputs(backend: str, c: Case) -> list[torch.Tensor]:
     """The case's results on ``backend``: the op, and the kernel into both poisons."""
     dev = c.to(_device(backend))
     runs = [run_kernel(backend, dev, NAN), run_kernel(backend, dev, SENTINEL)]
-    if backend not in GPU_SPLITS:  # the op picks its own split count
+    if not GPU_PATHS.get(backend, (None, {}))[1]:  # the op picks its own split count
         runs.append(run_op(dev))
     return [out.cpu() for out in runs]
 

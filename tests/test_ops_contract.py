@@ -1,4 +1,5 @@
-"""The op contract: opcheck, the reference against an independent float64 oracle, bad inputs."""
+"""The op contract: opcheck and export, the reference against an independent float64 oracle,
+bad inputs."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import re
 
 import pytest
 import torch
-from numerics import rel_err
+from helpers.cases import make_case
 from torch.library import opcheck
 
 import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse.numerics import rel_err
 from pagedfuse.ops import paged_attention_reference, quantize_int8_reference
 
 OPS = torch.ops.pagedfuse
@@ -62,33 +64,22 @@ def brute_force(query, key_cache, value_cache, block_table, seq_lens, query_star
     return out
 
 
-def make_case(B=3, Hq=8, Hkv=2, D=64, block_size=4, num_blocks=24, q_lens=(1, 3, 2),
-              seq_lens=(5, 11, 7), dtype=torch.float32, index_dtype=torch.int32, hnd=False,
-              seed=0):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(q_lens)
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
-    shape = (num_blocks, Hkv, block_size, D) if hnd else (num_blocks, block_size, Hkv, D)
-    kc = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-    vc = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-    if hnd:
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-    perm = torch.randperm(num_blocks, generator=g)[: B * max_blocks]
-    return dict(
-        query=torch.randn(T, Hq, D, generator=g).to(dtype),
-        key_cache=kc,
-        value_cache=vc,
-        block_table=perm.reshape(B, max_blocks).to(index_dtype),
-        seq_lens=torch.tensor(seq_lens, dtype=index_dtype),
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                     dtype=index_dtype),
-    )
+def contract_case(seed: int, hnd: bool = False, **changes) -> dict:
+    """Three sequences of 5, 11 and 7 keys with 1, 3 and 2 query tokens in a 24-block cache of
+    4-token pages (the sizes the bad-input messages below name), as the op's first six
+    arguments."""
+    spec = dict(seq_lens=(5, 11, 7), q_lens=(1, 3, 2), block_size=4, num_blocks=24,
+                spare_blocks=0, layout="HND" if hnd else "NHD", seed=seed)
+    case = make_case(**{**spec, **changes})
+    return {k: v for k, v in case.op_args().items()
+            if k in ("query", "key_cache", "value_cache", "block_table", "seq_lens",
+                     "query_start_loc")}
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hnd", [False, True])
 def test_reference_matches_brute_force(causal, hnd):
-    c = make_case(hnd=hnd, seed=1 + causal + 2 * hnd)
+    c = contract_case(1 + causal + 2 * hnd, hnd)
     want = brute_force(**c, scale=0.2, causal=causal)
     got = paged_attention_reference(**c, scale=0.2, causal=causal, compute_dtype=torch.float64)
     assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
@@ -96,7 +87,7 @@ def test_reference_matches_brute_force(causal, hnd):
 
 @pytest.mark.parametrize("bias_kind", ["bool", "float"])
 def test_reference_bias_matches_brute_force(bias_kind):
-    c = make_case(seed=3)
+    c = contract_case(3)
     g = torch.Generator().manual_seed(4)
     if bias_kind == "bool":
         bias = torch.rand(3, 1, 3, 11, generator=g) > 0.3
@@ -110,7 +101,7 @@ def test_reference_bias_matches_brute_force(bias_kind):
 
 
 def test_reference_int8_matches_brute_force():
-    c = make_case(seed=5)
+    c = contract_case(5)
     kq, ks = quantize_int8_reference(c["key_cache"])
     vq, vs = quantize_int8_reference(c["value_cache"])
     c.update(key_cache=kq, value_cache=vq)
@@ -121,7 +112,7 @@ def test_reference_int8_matches_brute_force():
 
 
 def test_fully_masked_rows_are_zero():
-    c = make_case(seed=6)
+    c = contract_case(6)
     bias = torch.ones(3, 1, 3, 11, dtype=torch.bool)
     bias[1] = False
     out = OPS.paged_attention(**c, scale=0.1, causal=False, attn_bias=bias)
@@ -138,7 +129,7 @@ def test_quantize_int8_reference_semantics():
 
 
 def test_int8_op_tracks_unquantized_attention():
-    c = make_case(D=128, seq_lens=(40, 64, 33), num_blocks=64, seed=7)
+    c = contract_case(7, head_dim=128, seq_lens=(40, 64, 33), num_blocks=64)
     exact = paged_attention_reference(**c, scale=128 ** -0.5, causal=True)
     kq, ks = OPS.quantize_int8(c["key_cache"])
     vq, vs = OPS.quantize_int8(c["value_cache"])
@@ -156,14 +147,14 @@ def _float_args(c):
 
 @pytest.mark.parametrize("hnd", [False, True])
 def test_opcheck_paged_attention(hnd):
-    c = make_case(hnd=hnd, seed=8)
+    c = contract_case(8, hnd)
     opcheck(OPS.paged_attention.default, _float_args(c))
     bias = torch.randn(3, 8, 3, 11)
     opcheck(OPS.paged_attention.default, _float_args(c), {"attn_bias": bias, "max_seq_len": 11})
 
 
 def test_opcheck_paged_attention_int8():
-    c = make_case(seed=9)
+    c = contract_case(9)
     kq, ks = OPS.quantize_int8(c["key_cache"])
     vq, vs = OPS.quantize_int8(c["value_cache"])
     base = _float_args(c)
@@ -176,6 +167,34 @@ def test_opcheck_quantize_int8():
     opcheck(OPS.quantize_int8.default, (torch.randn(7, 128, dtype=torch.bfloat16),))
 
 
+def test_opcheck_autograd_registration():
+    """Inputs that require grad: the op has an Autograd kernel (its outputs get a backward
+    that raises, tested in test_backends.py)."""
+    c = contract_case(8)
+    c["query"] = c["query"].clone().requires_grad_()
+    opcheck(OPS.paged_attention.default, _float_args(c),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_export_keeps_the_ops():
+    """torch.export traces the ops through their fake impls into the exported graph, whose
+    module computes what eager does."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, query, key_cache, value_cache, block_table, seq_lens,
+                    query_start_loc):
+            kq, ks = OPS.quantize_int8(key_cache)
+            return OPS.paged_attention_int8(query, kq, value_cache, ks, None, block_table,
+                                            seq_lens, query_start_loc, 0.125, True)
+
+    args = tuple(contract_case(14).values())
+    exported = torch.export.export(Attend(), args)
+    targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert targets.count(OPS.quantize_int8.default) == 1
+    assert targets.count(OPS.paged_attention_int8.default) == 1
+    assert torch.equal(exported.module()(*args), Attend()(*args))
+
+
 def test_compiles_with_dynamic_shapes_without_recompiling():
     from torch._dynamo.testing import CompileCounter
 
@@ -186,7 +205,7 @@ def test_compiles_with_dynamic_shapes_without_recompiling():
         return OPS.paged_attention(q, kc, vc, bt, sl, qsl, 0.125, False)
 
     for B, L in ((5, 26), (6, 37), (9, 45)):  # sizes unlike any other dim (duck sizing)
-        c = make_case(B=B, q_lens=(1,) * B, seq_lens=(L,) * B, num_blocks=128, seed=B)
+        c = contract_case(B, q_lens=(1,) * B, seq_lens=(L,) * B, num_blocks=128)
         got = f(*(c[k] for k in ("query", "key_cache", "value_cache", "block_table",
                                  "seq_lens", "query_start_loc")))
         want = paged_attention_reference(**c, scale=0.125, causal=False)
@@ -266,14 +285,14 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("name,override,exc,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_names_the_argument(name, override, exc, message):
-    c = make_case(seed=10)
+    c = contract_case(10)
     with pytest.raises(exc, match=re.escape(message)):
         _call(c, **override(c))
 
 
 def test_bad_input_caught_at_trace_time():
     """Shape errors surface from the fake impl, before any kernel runs."""
-    c = make_case(seed=11)
+    c = contract_case(11)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
@@ -285,7 +304,7 @@ def test_bad_input_caught_at_trace_time():
 @pytest.mark.parametrize("case", ["key_scale missing", "key_scale shape", "value_scale missing",
                                   "value_scale with float V", "key not int8", "head_dim"])
 def test_bad_int8_inputs(case):
-    c = make_case(seed=12)
+    c = contract_case(12)
     kq, ks = OPS.quantize_int8(c["key_cache"])
     vq, vs = OPS.quantize_int8(c["value_cache"])
     args = dict(query=c["query"], key_cache=kq, value_cache=vq, key_scale=ks, value_scale=vs)
@@ -335,7 +354,7 @@ def test_value_checks_switch(monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_block_ids_checked_on_request_and_clamped_otherwise(monkeypatch):
-    c = {k: v.cuda() for k, v in make_case(D=128, seed=13).items()}
+    c = {k: v.cuda() for k, v in contract_case(13, head_dim=128).items()}
     bad = c["block_table"].clone()
     bad[1, 0] = 10**6
     monkeypatch.setenv("PAGEDFUSE_CHECKS", "1")

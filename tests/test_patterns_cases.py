@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 from helpers.programs import Spec, attention, make_case
-from numerics import max_rel_err as rel_err
 
+from pagedfuse.numerics import max_rel_err as rel_err
 from pagedfuse.ops import paged_attention_reference
 
 

@@ -17,9 +17,9 @@ from helpers.programs import (
     compile_and_compare,
     make_case,
 )
-from numerics import max_rel_err as rel_err
 
 import pagedfuse
+from pagedfuse.numerics import max_rel_err as rel_err
 
 SPELLINGS = {
     # gather forms

@@ -20,9 +20,9 @@ from helpers.programs import (
     attention,
     make_case,
 )
-from numerics import max_rel_err as rel_err
 
 import pagedfuse
+from pagedfuse.numerics import max_rel_err as rel_err
 from pagedfuse.patterns import PAGED_SDPA, Match, Pattern, Precondition, unregister_pattern
 
 

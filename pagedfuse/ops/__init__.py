@@ -1,21 +1,14 @@
-"""torch.ops.pagedfuse.*: importing this package registers the ops and their kernels."""
+"""torch.ops.pagedfuse.*: importing this package registers the ops and their kernel backends."""
 
-from pagedfuse.ops.library import (
+from pagedfuse.ops.backends import (
+    head_dim_reason,
     kernel_devices,
-    paged_attention,
-    paged_attention_int8,
-    quantize_int8,
-    register_device_kernels,
+    register_backend,
+    support_report,
+    supported_head_dims,
 )
+from pagedfuse.ops.library import paged_attention, paged_attention_int8, quantize_int8
 from pagedfuse.ops.reference import paged_attention_reference, quantize_int8_reference
-from pagedfuse.ops.validate import head_dim_reason, supported_head_dims
-
-try:  # CUDA kernels are Triton; a machine without Triton keeps the reference on CUDA.
-    import triton  # noqa: F401
-except ImportError:
-    pass
-else:
-    from pagedfuse.ops import cuda  # noqa: F401  (registers the "cuda" kernels)
 
 __all__ = [
     "head_dim_reason",
@@ -25,6 +18,7 @@ __all__ = [
     "paged_attention_reference",
     "quantize_int8",
     "quantize_int8_reference",
-    "register_device_kernels",
+    "register_backend",
+    "support_report",
     "supported_head_dims",
 ]

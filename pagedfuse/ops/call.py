@@ -1,14 +1,15 @@
 """The record every kernel backend receives: one validated call of a paged-attention op.
 
-The op checks its arguments once (validate.py) and hands the kernels a frozen ``PagedCall``
-instead of a positional argument list, so a new argument (a window, a soft cap) is one new
-field here and every backend sees it by name. The sizes come from shapes only, never from
-tensor values, so building the record costs no host synchronisation.
+The op checks its arguments once (validate.py) and hands the kernels a ``PagedCall`` instead
+of a positional argument list, so a new argument (a window, a soft cap) is one new field here
+and every backend sees it by name. The sizes come from shapes only, never from tensor
+values, so building the record costs no host synchronisation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +19,14 @@ FLOAT_OP = "paged_attention"
 INT8_OP = "paged_attention_int8"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Geometry:
-    """The sizes of a call, read off the shapes (SymInts under a fake trace)."""
+    """The sizes of a call, read off the shapes (SymInts under a fake trace).
+
+    Compared by identity: for real tensors check_metadata makes one Geometry per call
+    signature (every argument's shape, strides, dtype and device) and returns that same
+    object for each call with it, so a cache keyed on a Geometry is keyed on the signature.
+    """
 
     num_tokens: int
     num_q_heads: int
@@ -37,13 +43,14 @@ class Geometry:
         return self.num_q_heads // self.num_kv_heads
 
 
-@dataclass(frozen=True)
-class PagedCall:
+class PagedCall(NamedTuple):
     """The op's validated arguments, as the schema names them, plus the geometry.
 
     ``key_scale`` is None for the float op; ``value_scale`` is None unless the value cache is
     int8. ``max_seq_len`` / ``max_query_len`` are optional upper bounds the caller knows
     (the rewrite fills them in); the properties below fall back to shape bounds without them.
+    A NamedTuple rather than a frozen dataclass: it is built on every eager call, and a
+    tuple builds in a fifth of the time.
     """
 
     op: str
@@ -98,3 +105,10 @@ class PagedCall:
     def decode(self) -> bool:
         """At most one query token per sequence, known from the hint or the shapes."""
         return self.query_bound <= 1
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): tile and pad sizes of the launch
+    planners, computed on the host without triton.next_power_of_2's constexpr-call cost (a
+    few µs per call, paid on every eager launch) and without importing Triton."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedfuse.ops.call import PagedCall
+
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
@@ -58,22 +60,18 @@ def _scale_args(scale: torch.Tensor | None) -> tuple[int, list[int]]:
     return (0, [0, 0, 0]) if scale is None else (scale.data_ptr(), list(scale.stride()))
 
 
-def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
-                         value_cache: torch.Tensor, key_scale: torch.Tensor | None,
-                         value_scale: torch.Tensor | None, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                         causal: bool, attn_bias: torch.Tensor | None, max_seq_len: int | None,
-                         max_query_len: int | None) -> None:
-    """Fill the contiguous ``out`` [T, Hq, D]; ``key_scale is None`` means the float op.
-
-    The ``max_*`` hints are not needed: the C++ side reads each sequence's own lengths.
+def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
+    """Fill the contiguous ``out`` [T, Hq, D]. The C++ side reads each sequence's own lengths,
+    so it needs neither the ``max_*`` hints nor a plan (it splits work by the thread count).
     """
     ext = _extension()
-    table, lens, starts = _index(block_table), _index(seq_lens), _index(query_start_loc)
-    batch, num_q_heads = table.shape[0], query.shape[1]
-    bias, bias_kind, bias_strides = _bias_args(attn_bias, batch, num_q_heads)
-    key_scale_ptr, key_scale_strides = _scale_args(key_scale)
-    value_scale_ptr, value_scale_strides = _scale_args(value_scale)
+    query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
+    geo = call.geometry
+    table, lens, starts = (_index(call.block_table), _index(call.seq_lens),
+                           _index(call.query_start_loc))
+    bias, bias_kind, bias_strides = _bias_args(call.attn_bias, geo.batch, geo.num_q_heads)
+    key_scale_ptr, key_scale_strides = _scale_args(call.key_scale)
+    value_scale_ptr, value_scale_strides = _scale_args(call.value_scale)
     ext.paged_attention({
         "out": out.data_ptr(),
         "query": query.data_ptr(),
@@ -90,21 +88,21 @@ def paged_attention_into(out: torch.Tensor, query: torch.Tensor, key_cache: torc
         "value_scale": value_scale_ptr,
         "value_scale_strides": value_scale_strides,
         "block_table": table.data_ptr(),
-        "max_blocks": table.shape[1],
-        "num_blocks": key_cache.shape[0],
+        "max_blocks": geo.max_blocks,
+        "num_blocks": geo.num_blocks,
         "seq_lens": lens.data_ptr(),
         "query_start_loc": starts.data_ptr(),
         "attn_bias": 0 if bias is None else bias.data_ptr(),
         "bias_kind": bias_kind,
         "bias_strides": bias_strides,
-        "num_tokens": query.shape[0],
-        "num_q_heads": num_q_heads,
-        "num_kv_heads": key_cache.shape[2],
-        "head_dim": query.shape[2],
-        "batch": batch,
-        "block_size": key_cache.shape[1],
-        "scale": float(scale),
-        "causal": bool(causal),
+        "num_tokens": geo.num_tokens,
+        "num_q_heads": geo.num_q_heads,
+        "num_kv_heads": geo.num_kv_heads,
+        "head_dim": geo.head_dim,
+        "batch": geo.batch,
+        "block_size": geo.block_size,
+        "scale": float(call.scale),
+        "causal": bool(call.causal),
         "threads": torch.get_num_threads(),
     })
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedfuse.ops.call import PagedCall
+
 LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
@@ -162,30 +164,38 @@ def _token_span(t: torch.Tensor) -> int:
         (n - 1) * st for n, st in zip(t.shape[:2], t.stride()[:2], strict=True))
 
 
-def decode_unsupported(query: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, key_scale: torch.Tensor | None,
-                       value_scale: torch.Tensor | None, block_table: torch.Tensor,
-                       group: int) -> str | None:
-    """Why the CUDA C++ decode cannot take this call (None: it can). The caller has checked
-    decode (q_len <= 1) and no bias, and check_metadata that the dtypes pair up (a 16-bit
-    cache has the query's dtype, a scale goes with each int8 cache)."""
+def _static(values) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def decode_unsupported(call: PagedCall) -> str | None:
+    """Why the decode kernel cannot take this call (None: it can), beyond the q_len, bias
+    and head_dim rules the backend checks first. check_metadata has checked that the dtypes
+    pair up (a 16-bit cache has the query's dtype, a scale goes with each int8 cache) and
+    that the caches' data pointers are 16-byte aligned; strides and sizes are read only where
+    they are plain ints (a fake trace's SymInts would add guards)."""
+    query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
     if query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {query.dtype} (bfloat16 or float16 only)"
-    if query.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {query.shape[-1]}"
+    group = call.geometry.group
+    if not isinstance(group, int):
+        return "dynamic head counts"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
+    scales = [s for s in (call.key_scale, call.value_scale) if s is not None]
+    tensors = (key_cache, value_cache, *scales, call.block_table)
+    if not _static([n for t in tensors for n in (*t.shape, *t.stride())]):
+        return "dynamic cache or table sizes"
     for cache in (key_cache, value_cache):
         size = cache.element_size()
-        if cache.stride(3) != 1 or cache.data_ptr() % ALIGN or any(
-                s * size % ALIGN for s in cache.stride()[:3]):
+        if cache.stride(3) != 1 or any(s * size % ALIGN for s in cache.stride()[:3]):
             return "cache rows not 16-byte aligned"
     # Per-token offsets are 32-bit in the kernel: K/V rows in 16-byte units (64 GiB), scales
     # and table entries in elements.
-    scales = [s for s in (key_scale, value_scale) if s is not None]
+    table = call.block_table
     if max(_token_span(key_cache), _token_span(value_cache)) >= OFFSET_LIMIT * ALIGN or max(
             [_token_span(s) // s.element_size() for s in scales]
-            + [(block_table.shape[1] - 1) * block_table.stride(1)]) >= OFFSET_LIMIT:
+            + [(table.shape[1] - 1) * table.stride(1)]) >= OFFSET_LIMIT:
         return "cache or table offsets beyond 32 bits"
     if not decode_available(query.device):
         return "pagedfuse._cuda_kernels not built for this device"
@@ -199,24 +209,23 @@ def aligned_rows(q: torch.Tensor) -> bool:
             and q.stride(0) * size % ALIGN == 0)
 
 
-def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None,
-                key_cache: torch.Tensor, value_cache: torch.Tensor,
-                key_scale: torch.Tensor | None, value_scale: torch.Tensor | None,
-                block_table: torch.Tensor, seq_lens: torch.Tensor,
-                query_start_loc: torch.Tensor, scale_log2: float, splits: int, heads: int,
+def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
+                q_scale: torch.Tensor | None, scale_log2: float, splits: int, heads: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
                 ctas: int = 0, counters: torch.Tensor | None = None) -> None:
-    """Launch the decode: with an INT8 key cache ``q``/``q_scale`` come from quantize_int8,
-    else ``q`` is the query itself (aligned_rows); ``out`` contiguous; with ``splits`` > 1 it
-    writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA, one of
-    HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of
-    PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced
-    grid of that many CTAs instead (cuda.balanced_ctas; ``splits`` unused), which merges its own
-    pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
+    """Launch the decode of ``call``: with an INT8 key cache ``q``/``q_scale`` come from
+    quantize_int8, else ``q`` is the query itself or an aligned copy (aligned_rows);
+    ``scale_log2``: the softmax scale times log2(e); ``out`` contiguous; with ``splits`` > 1
+    it writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA,
+    one of HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of PDL_OFF,
+    PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced grid of
+    that many CTAs instead (cuda_decode.balanced_ctas; ``splits`` unused), which merges its
+    own pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
     ``counters`` comes from balanced_counters."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, page, num_kv_heads, _ = key_cache.shape
-    batch, max_blocks = block_table.shape
+    g = call.geometry
+    key_cache, value_cache = call.key_cache, call.value_cache
+    key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
+    num_kv_heads, batch = g.num_kv_heads, g.batch
     if heads not in HEADS_PER_CTA or num_kv_heads % heads:
         raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
                          f"and divide the {num_kv_heads} KV heads")
@@ -230,9 +239,10 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
                              f"({batch * groups}; balanced_counters)")
         if ctas % groups:
             raise ValueError(f"ctas={ctas} must be a multiple of the {groups} head groups")
+    page = g.block_size
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
-    sizes = (_I64 * 7)(num_tokens, num_q_heads, num_q_heads // num_kv_heads, num_blocks,
-                       max_blocks, page, shift)
+    sizes = (_I64 * 7)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
+                       shift)
     no_scale = (0, 0, 0)
     strides = (_I64 * 15)(
         q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
@@ -242,15 +252,15 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, q_scale: torch.Tensor | None
         *block_table.stride())
     # Pointer slots the kind does not read get any tensor's.
     tensors = (q, q_scale, key_cache, value_cache, key_scale, value_scale, block_table,
-               seq_lens, query_start_loc, out, part_o, part_lse)
+               call.seq_lens, call.query_start_loc, out, part_o, part_lse)
     lib = library()
     err = lib.pagedfuse_decode(
         _index(out.device), torch.cuda.current_stream(out.device).cuda_stream,
         KINDS.index(kind_of(key_cache, value_cache)),
         0 if out.dtype == torch.bfloat16 else 1,
-        sum(1 << i for i, t in enumerate((block_table, seq_lens, query_start_loc))
+        sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
             if t.dtype == torch.int64),
-        pdl, head_dim, heads,
+        pdl, g.head_dim, heads,
         batch, num_kv_heads, splits, ctas, counters.data_ptr() if ctas else None,
         *((t if t is not None else out).data_ptr() for t in tensors),
         scale_log2, sizes, strides)

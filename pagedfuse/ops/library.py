@@ -1,18 +1,26 @@
-"""The torch.library definitions of torch.ops.pagedfuse.*: schema, fake impl, per-device kernels.
+"""The torch.library definitions of torch.ops.pagedfuse.*: schema, fake impl, kernel dispatch.
 
-Each op validates its arguments (validate.py), allocates its output and hands both to the
-kernel of the tensors' device. The default implementation, for a device with no kernel, is
-the pure-torch reference. Annotations here are read by ``custom_op`` to infer the schema, so
-this module does not use ``from __future__ import annotations``.
+Each attention op validates its arguments into a PagedCall (validate.py), allocates its
+output and hands both to the kernel backend the registry chooses for the call
+(backends/registry.py); quantize_int8 runs the device's quantize kernel.
+
+The ops are registered with the low-level ``torch.library.Library`` API rather than
+``custom_op``, whose Python wrappers (an autograd.Function, an aliasing check and a dynamo
+guard on every call) cost more than the rest of an eager call together. What custom_op
+added is here explicitly: the pt2_compliant tag, a fake impl, and an Autograd kernel that
+lets a call that needs gradients fail at backward. The schemas are inferred from the typed
+signatures below, so this module does not use ``from __future__ import annotations``.
 """
 
 from collections.abc import Callable
 
 import torch
+from torch._C import DispatchKey, DispatchKeySet
 
-from pagedfuse.ops import cpu
-from pagedfuse.ops.reference import paged_attention_reference, quantize_int8_reference
+from pagedfuse.ops.backends import choose, quantize_kernel
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP
 from pagedfuse.ops.validate import (
+    build_call,
     check_metadata,
     check_quantize_input,
     check_values,
@@ -21,38 +29,31 @@ from pagedfuse.ops.validate import (
 
 Tensor = torch.Tensor
 
-# A kernel fills `out` in place: (out, query, key_cache, value_cache, key_scale, value_scale,
-# block_table, seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-# max_query_len) -> None. Arguments arrive validated.
-PagedKernel = Callable[..., None]
+_LIB = torch.library.Library("pagedfuse", "FRAGMENT")
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# Below Autograd, a plain CPU or CUDA tensor under no mode dispatches straight to the kernel.
+_PLAIN = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU,
+                                                              DispatchKey.CUDA))
 
 
-def _reference_kernel(out, query, key_cache, value_cache, key_scale, value_scale, block_table,
-                      seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                      max_query_len) -> None:
-    out.copy_(paged_attention_reference(query, key_cache, value_cache, block_table, seq_lens,
-                                        query_start_loc, scale, causal, attn_bias, key_scale,
-                                        value_scale))
-
-
-def _run(op: str, kernel: PagedKernel, query, key_cache, value_cache, key_scale, value_scale,
-         block_table, seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-         max_query_len) -> Tensor:
-    geo = check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
-                         query_start_loc, scale, attn_bias, key_scale, value_scale)
+def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
+         key_scale: Tensor | None, value_scale: Tensor | None, block_table: Tensor,
+         seq_lens: Tensor, query_start_loc: Tensor, scale: float, causal: bool,
+         attn_bias: Tensor | None, max_seq_len: int | None,
+         max_query_len: int | None) -> Tensor:
+    call = build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
+                      seq_lens, query_start_loc, float(scale), bool(causal), attn_bias,
+                      max_seq_len, max_query_len)
     if value_checks_enabled(query.device):
-        check_values(geo, block_table, seq_lens, query_start_loc, attn_bias, max_seq_len,
-                     max_query_len)
+        check_values(call.geometry, block_table, seq_lens, query_start_loc, attn_bias,
+                     max_seq_len, max_query_len)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if out.numel():
-        kernel(out, query, key_cache, value_cache, key_scale, value_scale, block_table,
-               seq_lens, query_start_loc, float(scale), bool(causal), attn_bias, max_seq_len,
-               max_query_len)
+        choose(call).run(call, out, None)
     return out
 
 
-@torch.library.custom_op("pagedfuse::paged_attention", mutates_args=())
-def paged_attention(
+def _paged_attention(
     query: Tensor,
     key_cache: Tensor,
     value_cache: Tensor,
@@ -66,13 +67,11 @@ def paged_attention(
     max_query_len: int | None = None,
 ) -> Tensor:
     """Attention of packed queries [T, Hq, D] over a paged float KV cache (see DESIGN.md)."""
-    return _run("paged_attention", _reference_kernel, query, key_cache, value_cache, None, None,
-                block_table, seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                max_query_len)
+    return _run(FLOAT_OP, query, key_cache, value_cache, None, None, block_table, seq_lens,
+                query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len)
 
 
-@torch.library.custom_op("pagedfuse::paged_attention_int8", mutates_args=())
-def paged_attention_int8(
+def _paged_attention_int8(
     query: Tensor,
     key_cache: Tensor,
     value_cache: Tensor,
@@ -88,73 +87,81 @@ def paged_attention_int8(
     max_query_len: int | None = None,
 ) -> Tensor:
     """Paged attention over an INT8 K cache (per-token, per-KV-head scales); V int8 or float."""
-    return _run("paged_attention_int8", _reference_kernel, query, key_cache, value_cache,
-                key_scale, value_scale, block_table, seq_lens, query_start_loc, scale, causal,
-                attn_bias, max_seq_len, max_query_len)
+    return _run(INT8_OP, query, key_cache, value_cache, key_scale, value_scale, block_table,
+                seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
+                max_query_len)
 
 
-@torch.library.custom_op("pagedfuse::quantize_int8", mutates_args=())
-def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+def _quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8 over the last dim: (x_int8, scale = max|x| / 127 as float32)."""
     check_quantize_input(x)
-    return quantize_int8_reference(x)
+    return quantize_kernel(x.device.type)(x)
 
 
-@paged_attention.register_fake
 def _paged_attention_fake(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                           scale, causal, attn_bias=None, max_seq_len=None, max_query_len=None):
-    check_metadata("paged_attention", query, key_cache, value_cache, block_table, seq_lens,
+    check_metadata(FLOAT_OP, query, key_cache, value_cache, block_table, seq_lens,
                    query_start_loc, scale, attn_bias, fake=True)
     return query.new_empty(query.shape)
 
 
-@paged_attention_int8.register_fake
 def _paged_attention_int8_fake(query, key_cache, value_cache, key_scale, value_scale,
                                block_table, seq_lens, query_start_loc, scale, causal,
                                attn_bias=None, max_seq_len=None, max_query_len=None):
-    check_metadata("paged_attention_int8", query, key_cache, value_cache, block_table, seq_lens,
+    check_metadata(INT8_OP, query, key_cache, value_cache, block_table, seq_lens,
                    query_start_loc, scale, attn_bias, key_scale, value_scale, fake=True)
     return query.new_empty(query.shape)
 
 
-@quantize_int8.register_fake
 def _quantize_int8_fake(x):
     check_quantize_input(x)
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-_kernel_devices: set[str] = set()
+class _NoBackward(torch.autograd.Function):
+    """Runs the op below Autograd for inputs that require grad; backward raises, as the ops
+    have no gradient formula (the rewrite keeps such sites as written)."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        ctx.op_name = op.name()
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.op_name} has no backward: call it where no gradient is "
+                           "needed (torch.no_grad() or torch.inference_mode())")
 
 
-def kernel_devices() -> frozenset[str]:
-    """Device types whose kernels (not the slow reference) serve the paged ops."""
-    return frozenset(_kernel_devices)
+def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
+    """The op's Autograd kernel. Outside a trace (plain CPU/CUDA tensors, no mode, nothing
+    requiring grad) it calls the implementation itself, which is what the redispatch below
+    Autograd would reach, without a second round of argument conversion."""
+
+    def kernel(keyset, *args):
+        below = keyset & _AFTER_AUTOGRAD
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return _NoBackward.apply(op, below, *args)
+        if below.raw_repr() in _PLAIN:
+            return impl(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(below, *args)
+
+    return kernel
 
 
-def register_device_kernels(device_type: str, kernel: PagedKernel,
-                            quantize: Callable[[Tensor], tuple[Tensor, Tensor]]) -> None:
-    """Route all three ops on ``device_type`` to ``kernel`` / ``quantize``."""
-    _kernel_devices.add(device_type)
-
-    @paged_attention.register_kernel(device_type)
-    def _float(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-               causal, attn_bias=None, max_seq_len=None, max_query_len=None):
-        return _run("paged_attention", kernel, query, key_cache, value_cache, None, None,
-                    block_table, seq_lens, query_start_loc, scale, causal, attn_bias,
-                    max_seq_len, max_query_len)
-
-    @paged_attention_int8.register_kernel(device_type)
-    def _int8(query, key_cache, value_cache, key_scale, value_scale, block_table, seq_lens,
-              query_start_loc, scale, causal, attn_bias=None, max_seq_len=None,
-              max_query_len=None):
-        return _run("paged_attention_int8", kernel, query, key_cache, value_cache, key_scale,
-                    value_scale, block_table, seq_lens, query_start_loc, scale, causal,
-                    attn_bias, max_seq_len, max_query_len)
-
-    @quantize_int8.register_kernel(device_type)
-    def _quantize(x):
-        check_quantize_input(x)
-        return quantize(x)
+def _define(name: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Define pagedfuse::``name`` with the schema of ``impl``'s signature; returns the op."""
+    schema = torch.library.infer_schema(impl, mutates_args=())
+    _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(torch.ops.pagedfuse, name).default
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    _LIB.impl(name, _autograd_kernel(op, impl), "Autograd", with_keyset=True)
+    torch.library.register_fake(f"pagedfuse::{name}", fake, lib=_LIB)
+    return op
 
 
-register_device_kernels("cpu", cpu.paged_attention_into, cpu.quantize_int8)
+paged_attention = _define(FLOAT_OP, _paged_attention, _paged_attention_fake)
+paged_attention_int8 = _define(INT8_OP, _paged_attention_int8, _paged_attention_int8_fake)
+quantize_int8 = _define("quantize_int8", _quantize_int8, _quantize_int8_fake)

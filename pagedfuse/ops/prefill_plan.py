@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedfuse.ops.call import PagedCall
+from pagedfuse.ops.call import PagedCall, next_power_of_2
 
 HEAD_DIMS = (64, 128, 256)
 PV_MODES = ("half", "int8")
@@ -41,11 +41,6 @@ class PrefillPlan:
         return self.block_m // self.pack
 
 
-def _next_pow2(n: int) -> int:
-    """triton_quantize.next_power_of_2, without importing Triton."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
@@ -70,7 +65,7 @@ def _default_plan(head_dim: int, group: int, query_bound: int, kind: str) -> Pre
     (token-major) until a tile holds the longest query, down to 64 rows and 4 warps (one
     warpgroup's wgmma M)."""
     block_m, block_n, warps, stages = TILES[(head_dim, kind)]
-    tokens = _next_pow2(max(query_bound, 1))
+    tokens = next_power_of_2(max(query_bound, 1))
     pack = min(_largest_pow2_divisor(group), max(1, block_m // tokens))
     rows = max(64, min(block_m, tokens * pack))
     return PrefillPlan(rows, pack, block_n, warps if rows == block_m else 4, stages)

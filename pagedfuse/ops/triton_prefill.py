@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedfuse.ops import cuda
 from pagedfuse.ops.call import PagedCall
 from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plan, prefill_unsupported
 from pagedfuse.ops.triton_quantize import quantize_int8
@@ -206,18 +207,6 @@ def prefill_kernel(
              mask=row_ok[:, None])
 
 
-def _bias_args(attn_bias: torch.Tensor | None, unused: torch.Tensor):
-    """(tensor, 4-D strides with 0 on broadcast dims, rows, cols, is_bool); without a bias
-    the pointer slot gets ``unused`` (never read)."""
-    if attn_bias is None:
-        return unused, (0, 0, 0, 0), 1, 1, False
-    bias = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
-    strides = tuple(st if n > 1 else 0 for st, n in zip(bias.stride(), bias.shape, strict=True))
-    is_bool = bias.dtype == torch.bool
-    return (bias.view(torch.uint8) if is_bool else bias), strides, bias.shape[2], \
-        bias.shape[3], is_bool
-
-
 class Launch(NamedTuple):
     """One launch of prefill_kernel: grid, positional arguments and constexpr/launch
     options (separate from the launch itself so that a tool can compile it offline)."""
@@ -235,7 +224,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
     q_scale = q if q_scale is None else q_scale  # never read without INT8_K
     ks = call.key_scale if call.int8_k else q_scale  # never read without INT8_K
     vs = call.value_scale if call.value_scale is not None else ks
-    bias, bias_strides, bias_rows, bias_cols, bias_bool = _bias_args(call.attn_bias, out)
+    bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
     kc, vc = call.key_cache, call.value_cache
     grid = (g.num_q_heads // plan.pack, triton.cdiv(call.query_bound, plan.tokens), g.batch)
     args = (

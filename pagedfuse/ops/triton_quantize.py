@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedfuse.ops.call import next_power_of_2
+
 
 @triton.jit
 def round_half_even(x):
@@ -39,12 +41,6 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr,
     tl.store(s_ptr + row, scale)
     if RELEASE:  # the decode launched after this grid (PDL) may start; it waits for q
         tl.extra.cuda.gdc_launch_dependents()
-
-
-def next_power_of_2(n: int) -> int:
-    """Host-side twin of triton.next_power_of_2 without its constexpr-function call cost
-    (a few µs per call, paid on every eager launch)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def quantize_int8(x: torch.Tensor, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

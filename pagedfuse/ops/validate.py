@@ -13,36 +13,17 @@ content) whose message starts with the argument's name.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 
 import torch
+
+from pagedfuse import envs
+from pagedfuse.ops.backends import registry
+from pagedfuse.ops.call import INT8_OP, Geometry, PagedCall
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 ROW_ALIGN_BYTES = 16
-
-# head_dim each (op, device type) has a kernel for; None = any (the reference serves it).
-_HEAD_DIMS: dict[tuple[str, str], frozenset[int] | None] = {
-    ("paged_attention", "cpu"): frozenset({32, 64, 80, 96, 128, 160, 192, 256}),
-    ("paged_attention_int8", "cpu"): frozenset({64, 128, 256}),
-    ("paged_attention", "cuda"): frozenset({64, 128, 256}),
-    ("paged_attention_int8", "cuda"): frozenset({64, 128, 256}),
-}
-
-
-def supported_head_dims(op: str, device_type: str) -> frozenset[int] | None:
-    """The head dims ``op`` has a kernel for on ``device_type`` (None: any)."""
-    return _HEAD_DIMS.get((op, device_type))
-
-
-def head_dim_reason(op: str, device_type: str, head_dim: int) -> str | None:
-    """None when ``op`` supports ``head_dim`` on ``device_type``, else why not."""
-    dims = supported_head_dims(op, device_type)
-    if dims is None or head_dim in dims:
-        return None
-    listed = ", ".join(str(d) for d in sorted(dims))
-    return f"head_dim {head_dim} not in {{{listed}}} for {op} on {device_type}"
+SCALE_ALIGN_BYTES = 4
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,18 +33,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def value_checks_enabled(device: torch.device) -> bool:
     """Value checks are eager on CPU; elsewhere they sit behind PAGEDFUSE_CHECKS=1."""
-    return device.type == "cpu" or os.environ.get("PAGEDFUSE_CHECKS", "0") == "1"
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The sizes ``check_values`` compares tensor values against, read off the shapes."""
-
-    num_tokens: int
-    num_blocks: int
-    block_size: int
-    batch: int
-    max_blocks: int
+    return device.type == "cpu" or envs.PAGEDFUSE_CHECKS
 
 
 def _static(values: tuple) -> bool:
@@ -94,6 +64,11 @@ def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: on {t.device}, but query is on {device}")
 
 
+def _check_pointer(name: str, t: torch.Tensor, align: int) -> None:
+    if t.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer is not {align}-byte aligned")
+
+
 def check_strides(name: str, t: torch.Tensor, fake: bool = False) -> None:
     """Innermost dim contiguous, rows 16-byte aligned, and no two elements sharing memory."""
     if not _static((*t.shape, *t.stride())) or t.numel() == 0:
@@ -106,8 +81,8 @@ def check_strides(name: str, t: torch.Tensor, fake: bool = False) -> None:
         if t.shape[dim] > 1 and (t.stride(dim) * item) % ROW_ALIGN_BYTES:
             raise ValueError(f"{name}: stride {t.stride(dim)} of dim {dim} is not a multiple "
                              f"of {ROW_ALIGN_BYTES} bytes (rows must be 16-byte aligned)")
-    if not fake and t.data_ptr() % ROW_ALIGN_BYTES:
-        raise ValueError(f"{name}: data pointer is not {ROW_ALIGN_BYTES}-byte aligned")
+    if not fake:
+        _check_pointer(name, t, ROW_ALIGN_BYTES)
     extent = 0  # largest offset reachable through the dims already placed
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
         if stride <= extent:
@@ -125,8 +100,8 @@ def _check_scale_tensor(name: str, s: torch.Tensor, cache: torch.Tensor, dev: to
     if _static((*s.shape, *cache.shape[:3])) and tuple(s.shape) != tuple(cache.shape[:3]):
         raise ValueError(f"{name}: shape {tuple(s.shape)} must be {tuple(cache.shape[:3])} "
                          "([num_blocks, block_size, num_kv_heads] of the cache)")
-    if not fake and s.numel() and s.data_ptr() % 4:
-        raise ValueError(f"{name}: data pointer is not 4-byte aligned")
+    if not fake and s.numel():
+        _check_pointer(name, s, SCALE_ALIGN_BYTES)
 
 
 def check_quantize_input(x: torch.Tensor) -> None:
@@ -135,6 +110,28 @@ def check_quantize_input(x: torch.Tensor) -> None:
     _dtype("x", x, FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError("x: needs at least one dim (rows are quantized over the last dim)")
+
+
+# Arguments whose data pointers every call checks (the rest of a verdict is cached): the
+# position in check_metadata's tensor tuple, the name and the alignment.
+_POINTERS = ((0, "query", ROW_ALIGN_BYTES), (1, "key_cache", ROW_ALIGN_BYTES),
+             (2, "value_cache", ROW_ALIGN_BYTES), (7, "key_scale", SCALE_ALIGN_BYTES),
+             (8, "value_scale", SCALE_ALIGN_BYTES))
+# Verdicts of past calls: call signature -> (geometry, pointers to check). Bounded, since
+# every distinct signature (e.g. each batch size) adds one.
+_VERDICTS: dict[tuple, tuple[Geometry, tuple[tuple[int, str, int], ...]]] = {}
+_VERDICT_LIMIT = 4096
+
+
+def _signature(op: str, tensors: tuple, scale: float) -> tuple | None:
+    """What check_metadata's verdict depends on, except data pointers (the registry's
+    generation stands for the head dims its backends serve); None for a non-tensor."""
+    try:
+        return (op, scale, registry.generation,
+                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                  for t in tensors])
+    except AttributeError:
+        return None
 
 
 def check_metadata(
@@ -150,9 +147,60 @@ def check_metadata(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     fake: bool = False,
+    capability: bool = True,
 ) -> Geometry:
-    """Shape/dtype/device/stride checks for ``op``; returns the geometry."""
-    int8 = op == "paged_attention_int8"
+    """Shape/dtype/device/stride checks for ``op``; returns the geometry. ``capability``:
+    also require a kernel backend for the head_dim on the query's device.
+
+    Cheap on a repeated signature: the verdict is cached per call signature (shapes,
+    strides, dtypes, devices, scale), and such a call only has its data pointers checked."""
+    tensors = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+               attn_bias, key_scale, value_scale)
+    key = None if fake or not capability else _signature(op, tensors, scale)
+    try:
+        verdict = _VERDICTS.get(key) if key is not None else None
+    except TypeError:  # unhashable: sizes that are not plain ints
+        key = verdict = None
+    if verdict is not None:
+        geometry, pointers = verdict
+        for index, name, align in pointers:
+            _check_pointer(name, tensors[index], align)
+        return geometry
+    geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
+                               query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
+                               capability)
+    if key is not None:
+        if len(_VERDICTS) >= _VERDICT_LIMIT:
+            _VERDICTS.clear()
+        _VERDICTS[key] = geometry, tuple(p for p in _POINTERS if tensors[p[0]] is not None
+                                          and tensors[p[0]].numel())
+    return geometry
+
+
+def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, key_scale: torch.Tensor | None,
+               value_scale: torch.Tensor | None, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+               causal: bool, attn_bias: torch.Tensor | None = None,
+               max_seq_len: int | None = None, max_query_len: int | None = None,
+               fake: bool = False, capability: bool = True) -> PagedCall:
+    """check_metadata, then the PagedCall the kernel backends receive (arguments in its
+    field order)."""
+    geometry = check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
+                              query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
+                              capability)
+    return PagedCall(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
+                     seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
+                     max_query_len, geometry)
+
+
+def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    attn_bias: torch.Tensor | None, key_scale: torch.Tensor | None,
+                    value_scale: torch.Tensor | None, fake: bool,
+                    capability: bool) -> Geometry:
+    int8 = op == INT8_OP
     _tensor("query", query)
     _tensor("key_cache", key_cache)
     _tensor("value_cache", value_cache)
@@ -209,7 +257,8 @@ def check_metadata(
     if _static((num_q_heads, num_kv_heads)) and (num_kv_heads < 1 or num_q_heads % num_kv_heads):
         raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of key_cache's "
                          f"num_kv_heads {num_kv_heads} (GQA needs Hq % Hkv == 0)")
-    reason = _static((head_dim,)) and head_dim_reason(op, dev.type, head_dim)
+    reason = capability and _static((head_dim,)) and \
+        registry.head_dim_reason(op, dev.type, head_dim)
     if reason:
         raise ValueError(f"query: {reason}")
     batch, max_blocks = block_table.shape
@@ -250,7 +299,8 @@ def check_metadata(
                 lead[0] not in (1, batch) or lead[1] not in (1, num_q_heads)):
             raise ValueError(f"attn_bias: shape {tuple(attn_bias.shape)} does not broadcast to "
                              f"[batch={batch}, num_q_heads={num_q_heads}, max_q_len, max_seq_len]")
-    return Geometry(num_tokens, num_blocks, block_size, batch, max_blocks)
+    return Geometry(num_tokens, num_q_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                    batch, max_blocks)
 
 
 def check_values(

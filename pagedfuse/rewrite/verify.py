@@ -11,12 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from pagedfuse.numerics import max_rel_err, site_tolerance
 from pagedfuse.rewrite.engine import Swap
-
-# Max relative error (max |diff| / max |reference|) a site may show.
-TOLERANCES = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 2e-2,
-              torch.float16: 2e-2}
-INT8_TOLERANCE = 5e-2
 
 
 class VerificationError(Exception):
@@ -32,22 +28,6 @@ def copy_module(gm: fx.GraphModule, outputs: Sequence[str] | None = None) -> fx.
     by_name = {old.name: new for old, new in mapping.items()}
     graph.output(result if outputs is None else tuple(by_name[n] for n in outputs))
     return fx.GraphModule(gm, graph)
-
-
-def tolerance(swap: Swap, dtype: torch.dtype) -> float:
-    if "int8" in (swap.report.replacement or ""):
-        return INT8_TOLERANCE
-    return TOLERANCES.get(dtype, 2e-2)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Max |got - want| over max |want|, ignoring rows SDPA leaves NaN (all keys masked)."""
-    got, want = got.detach().double(), want.detach().double()
-    keep = ~torch.isnan(want)
-    if not bool(keep.any()):
-        return 0.0
-    diff = (got - want).abs()[keep].max()
-    return float(diff / want.abs()[keep].max().clamp_min(1e-30))
 
 
 def _clone(args: Sequence[object]) -> list[object]:
@@ -67,9 +47,9 @@ def verifying(compiled: Callable, original: fx.GraphModule, rewritten: fx.GraphM
             with torch.no_grad():
                 want, got = before(*_clone(args)), after(*_clone(args))
             for swap, w, g in zip(swaps, want, got, strict=True):
-                err = relative_error(g, w)
+                err = max_rel_err(g, w, skip_nan_reference=True)
                 swap.report.verify_error = err
-                limit = tolerance(swap, w.dtype)
+                limit = site_tolerance(w.dtype, int8="int8" in (swap.report.replacement or ""))
                 if not err <= limit:
                     state = "failed"
                     raise VerificationError(

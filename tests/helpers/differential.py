@@ -10,7 +10,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import pagedfuse
-from pagedfuse.rewrite.verify import INT8_TOLERANCE, TOLERANCES
+from pagedfuse.numerics import INT8_SITE_RTOL as INT8_TOLERANCE
+from pagedfuse.numerics import SITE_RTOL as TOLERANCES
 
 __all__ = ["INT8_TOLERANCE", "Outcome", "differential", "mismatch"]
 

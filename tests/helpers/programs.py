@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from numerics import max_rel_err
 
 import pagedfuse
 from helpers.capture import Capture
-from pagedfuse.rewrite.verify import INT8_TOLERANCE, TOLERANCES
+from pagedfuse.numerics import INT8_SITE_RTOL as INT8_TOLERANCE
+from pagedfuse.numerics import SITE_RTOL as TOLERANCES
+from pagedfuse.numerics import max_rel_err
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 PAGED = (torch.ops.pagedfuse.paged_attention.default,

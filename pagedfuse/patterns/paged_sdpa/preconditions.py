@@ -14,12 +14,12 @@ import torch.fx as fx
 from pagedfuse.graph.layout import is_one, same_size, static_int
 from pagedfuse.graph.ops import arg, describe, extra_kwargs, fake
 from pagedfuse.graph.region import escapes, stale_reads
-from pagedfuse.ops import head_dim_reason, kernel_devices
+from pagedfuse.ops.backends import SupportReport, get_backend, head_dim_reason, support_report
 from pagedfuse.ops.validate import FLOAT_DTYPES, check_strides, dtype_name
 from pagedfuse.patterns.base import Match, Precondition
 from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, SourceView, Trace
 from pagedfuse.patterns.paged_sdpa.sdpa_semantics import fully_masked_rows
-from pagedfuse.patterns.paged_sdpa.site import PagedSite
+from pagedfuse.patterns.paged_sdpa.site import AS_WRITTEN, LENGTHS, TOP_LEFT_CAUSAL, PagedSite
 
 
 def _site(match: Match) -> PagedSite:
@@ -347,12 +347,65 @@ def _no_grad_needed(match: Match) -> str | None:
             "torch.inference_mode()")
 
 
-def _kernel(match: Match) -> str | None:
-    site = _site(match)
-    device = site.q_fake.device.type
-    if device in kernel_devices():
+def _fake_view(source: fx.Node, view: SourceView | None) -> torch.Tensor | None:
+    """The fake value of the cache (or scale) view the replacement hands the op."""
+    if view is None:
         return None
-    return f"no pagedfuse {site.op} kernel for {device} (only the slow reference)"
+    t = fake(source)
+    return t if view.op_view is None else getattr(t, view.op_view[0])(*view.op_view[1])
+
+
+def _kernel_report(site: PagedSite) -> SupportReport | str:
+    """The backend registry's verdict on the op call the replacement would make, asked with
+    fake tensors shaped, strided and typed like its arguments (so no data is touched)."""
+    q = site.q_fake
+    mode = getattr(q, "fake_mode", None)
+    if mode is None:
+        return "the query has no fake value to ask the kernel backends with"
+    batch, q_len = q.shape[0], q.shape[2]
+    keys = site.size("block") * site.size("slot")
+    table = fake(site.index)
+    table = table.unsqueeze(0) if table.dim() == 1 else table
+    masking = site.masking
+    key_scale = value_scale = None
+    if site.int8:
+        key_scale = _fake_view(site.key.trace.scale.gather.source, site.key.scale_view)
+        if site.value.trace.scale is not None:
+            value_scale = _fake_view(site.value.trace.scale.gather.source,
+                                     site.value.scale_view)
+    with mode:
+        lengths = torch.empty(batch, dtype=torch.int32, device=q.device)
+        starts = torch.empty(batch + 1, dtype=torch.int32, device=q.device)
+        bias = (None if masking == LENGTHS else
+                torch.empty(q_len, keys, dtype=torch.bool, device=q.device)
+                if masking == TOP_LEFT_CAUSAL else fake(site.mask))
+        try:
+            return support_report(
+                site.op, q.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3]).contiguous(),
+                _fake_view(site.key.trace.gather.source, site.key.view),
+                _fake_view(site.value.trace.gather.source, site.value.view),
+                table.expand(batch, table.shape[1]) if is_one(table.shape[0]) else table,
+                lengths, starts, key_scale=key_scale,
+                value_scale=value_scale, attn_bias=bias,
+                causal=masking == AS_WRITTEN and bool(arg(site.sdpa, "is_causal", False)),
+                max_seq_len=keys, max_query_len=q_len)
+        except (TypeError, ValueError) as exc:
+            return f"the op would refuse the call: {exc}"
+
+
+def _kernel(match: Match) -> str | None:
+    """A kernel backend of the query's device takes the call; the pure-torch reference, which
+    serves devices without kernels, does not count (it is slower than eager SDPA)."""
+    site = _site(match)
+    report = _kernel_report(site)
+    if isinstance(report, str):
+        return report
+    if report.chosen is None:
+        return str(report)
+    if get_backend(report.chosen).device is None:
+        return (f"no pagedfuse {site.op} kernel for {report.device}: only the slow "
+                f"{report.chosen} would run")
+    return None
 
 
 PRECONDITIONS = (
@@ -377,6 +430,5 @@ PRECONDITIONS = (
                  lambda m: "no write to the caches, table, scales or lengths between their "
                            "read and the attention"),
     Precondition("autograd", _no_grad_needed, lambda m: "no gradient needed"),
-    Precondition("kernel", _kernel, lambda m: f"{_site(m).op} kernel for "
-                                              f"{_site(m).q_fake.device.type}"),
+    Precondition("kernel", _kernel, lambda m: str(_kernel_report(_site(m)))),
 )

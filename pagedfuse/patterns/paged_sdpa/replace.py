@@ -20,7 +20,7 @@ from pagedfuse.graph.layout import same_size, static_int
 from pagedfuse.graph.ops import arg, fake
 from pagedfuse.patterns.base import Match
 from pagedfuse.patterns.paged_sdpa.kv_trace import SourceView
-from pagedfuse.patterns.paged_sdpa.site import PagedSite
+from pagedfuse.patterns.paged_sdpa.site import LENGTHS, TOP_LEFT_CAUSAL, PagedSite
 
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int) -> int | fx.Node:
@@ -61,11 +61,12 @@ def _masking(graph: fx.Graph, site: PagedSite, batch: int | fx.Node, keys: int |
              q_len: int | fx.Node) -> tuple[fx.Node, bool, fx.Node | None]:
     """(seq_lens, causal, attn_bias) expressing SDPA's attn_mask and is_causal."""
     device = site.q_fake.device
-    if site.length_mask:  # the mask keeps j < len for the gathered keys j only
+    masking = site.masking
+    if masking == LENGTHS:  # the mask keeps j < len for the gathered keys j only
         return graph.call_method("clamp", (site.mask_reading.seq_lens, 0, keys)), False, None
     seq_lens = graph.call_function(torch.full, ((batch,), keys),
                                    {"dtype": torch.int32, "device": device})
-    if site.causal_as_bias:  # SDPA's top-left causal: query i sees keys j <= i
+    if masking == TOP_LEFT_CAUSAL:  # SDPA's top-left causal: query i sees keys j <= i
         ones = graph.call_function(torch.ones, ((q_len, keys),),
                                    {"dtype": torch.bool, "device": device})
         return seq_lens, False, graph.call_method("tril", (ones,))

@@ -19,6 +19,8 @@ from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, resolve, walk
 from pagedfuse.patterns.paged_sdpa.masks import MaskReading, read_mask
 
 WANT = "[batch, kv_head, block*slot, head_dim]"
+# PagedSite.masking's values.
+LENGTHS, TOP_LEFT_CAUSAL, AS_WRITTEN = "lengths", "top-left causal", "as written"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class PagedSite:
     def size(self, atom: str) -> object:
         """Size of a K atom ("batch", "block", "slot", "head", "dim"); 1 where left out."""
         return self.key.final.size(atom)
+
+    @property
+    def masking(self) -> str:
+        """How the op says SDPA's masking: LENGTHS (the mask becomes seq_lens),
+        TOP_LEFT_CAUSAL (is_causal becomes a bool bias) or AS_WRITTEN (is_causal and the
+        mask pass through as causal and attn_bias)."""
+        if self.length_mask:
+            return LENGTHS
+        return TOP_LEFT_CAUSAL if self.causal_as_bias else AS_WRITTEN
 
     @property
     def causal_as_bias(self) -> bool:

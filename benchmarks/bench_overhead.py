@@ -1,0 +1,215 @@
+"""Host cost of one eager call of each pagedfuse op at decode shapes, per kernel backend.
+
+For each device (the CPU, and CUDA when present), each geometry and each op (the float op,
+the INT8 op with int8 K+V and with int8 K + bf16 V, quantize_int8 of the query) it times
+wall µs per call of ``torch.ops.pagedfuse.*.default`` under ``torch.inference_mode()`` and
+in grad mode (no input requires grad: what a compiled graph outside inference_mode pays),
+with PAGEDFUSE_BACKEND naming each backend that takes the call. Beside each it times the
+pieces: the backend's ``run`` alone on a prebuilt call, ``build_call`` (check_metadata and
+the PagedCall), and ``check_values`` where the op runs it (always on the CPU).
+
+On CUDA the calls are not synchronized inside the timed loop, so the time is the host's
+(the launches queue on the GPU; the context is short so the GPU keeps up). On the CPU the
+kernel runs on the host too, so ``run`` is part of the call; ``op - run`` is the overhead
+(one page of keys there keeps the kernel short).
+Results go to benchmarks/results/overhead-<device>-<date>.json.
+
+    python benchmarks/bench_overhead.py [--device cpu|cuda|all] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse import envs
+from pagedfuse.ops.backends import all_backends, reason
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.validate import build_call, check_values, value_checks_enabled
+
+GEOMETRIES = {"tinyllama": (32, 4, 64), "llama3_8b": (32, 8, 128), "qwen35": (24, 4, 256)}
+BATCH, PAGE = 1, 16
+# Keys per sequence: on the GPU the B=1 latency point; on the CPU one page, so that the
+# kernel's own time (also on the host there) does not drown the rest of the call.
+LENGTH = {"cuda": 1536, "cpu": 16}
+KINDS = ("bf16", "int8_kv", "int8_k")
+OPS = torch.ops.pagedfuse
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def per_call_us(fn: Callable[[], object], device: torch.device, calls: int,
+                reps: int) -> dict[str, float]:
+    """Median and best over ``reps`` loops of wall µs per call of ``fn``, each loop of
+    ``calls`` calls (synchronized before and after a loop, not inside it)."""
+    for _ in range(max(10, calls // 10)):
+        fn()
+    loops = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {"median": statistics.median(loops), "best": min(loops)}
+
+
+def decode_args(geo: tuple[int, int, int], kind: str, device: torch.device) -> dict:
+    """A decode call's op arguments: B sequences of L keys in shuffled pages, bf16 query."""
+    hq, hkv, d = geo
+    length = LENGTH[device.type]
+    gen = torch.Generator().manual_seed(0)
+    pages = -(-length // PAGE)
+    blocks = BATCH * pages
+    cache = lambda: torch.randn(blocks, PAGE, hkv, d, generator=gen).to(  # noqa: E731
+        device=device, dtype=torch.bfloat16)
+    key, value = cache(), cache()
+    args = dict(query=torch.randn(BATCH, hq, d, generator=gen).to(device, torch.bfloat16),
+                key_cache=key, value_cache=value,
+                block_table=torch.randperm(blocks, generator=gen).view(BATCH, pages).to(
+                    device, torch.int32),
+                seq_lens=torch.full((BATCH,), length, dtype=torch.int32, device=device),
+                query_start_loc=torch.arange(BATCH + 1, dtype=torch.int32, device=device),
+                scale=d ** -0.5, causal=True, attn_bias=None, max_seq_len=length,
+                max_query_len=1)
+    if kind != "bf16":
+        args["key_cache"], args["key_scale"] = OPS.quantize_int8(key)
+        args["value_scale"] = None
+        if kind == "int8_kv":
+            args["value_cache"], args["value_scale"] = OPS.quantize_int8(value)
+    return args
+
+
+def to_call(args: dict) -> PagedCall:
+    return build_call(INT8_OP if "key_scale" in args else FLOAT_OP, args["query"],
+                      args["key_cache"], args["value_cache"], args.get("key_scale"),
+                      args.get("value_scale"), args["block_table"], args["seq_lens"],
+                      args["query_start_loc"], args["scale"], args["causal"],
+                      args["attn_bias"], args["max_seq_len"], args["max_query_len"])
+
+
+def measure_attention(device: torch.device, geo: tuple[int, int, int], kind: str,
+                      calls: int, reps: int) -> list[dict]:
+    """One row per backend that takes this decode call on ``device``."""
+    args = decode_args(geo, kind, device)
+    op = (OPS.paged_attention if kind == "bf16" else OPS.paged_attention_int8).default
+    call = to_call(args)
+    out = torch.empty_like(args["query"])
+    pieces = {"build_call": per_call_us(lambda: to_call(args), device, calls, reps)}
+    if value_checks_enabled(device):
+        pieces["check_values"] = per_call_us(lambda: check_values(
+            call.geometry, call.block_table, call.seq_lens, call.query_start_loc, None,
+            call.max_seq_len, call.max_query_len), device, calls, reps)
+    rows = []
+    for backend in all_backends():
+        if backend.device not in (None, device.type) or reason(backend, call):
+            continue
+        row = {"backend": backend.name, **pieces,
+               "run": per_call_us(partial(backend.run, call, out, None), device, calls, reps)}
+        with _forced(backend.name):
+            with torch.inference_mode():
+                row["op_inference_mode"] = per_call_us(partial(op, **args), device, calls,
+                                                       reps)
+            row["op_grad_mode"] = per_call_us(partial(op, **args), device, calls, reps)
+        rows.append(row)
+    return rows
+
+
+def measure_quantize(device: torch.device, geo: tuple[int, int, int], calls: int,
+                     reps: int) -> dict:
+    """quantize_int8 of a decode query (the INT8 op's first step on CUDA)."""
+    hq, _, d = geo
+    quantize = partial(OPS.quantize_int8.default,
+                       torch.randn(BATCH, hq, d, device=device, dtype=torch.bfloat16))
+    with torch.inference_mode():
+        inference = per_call_us(quantize, device, calls, reps)
+    return {"backend": "default", "op_inference_mode": inference,
+            "op_grad_mode": per_call_us(quantize, device, calls, reps)}
+
+
+def measure(device: torch.device, calls: int, reps: int) -> list[dict]:
+    rows = []
+    for gname, geo in GEOMETRIES.items():
+        found = [{"kind": kind, **row} for kind in KINDS
+                 for row in measure_attention(device, geo, kind, calls, reps)]
+        found.append({"kind": "quantize_int8", **measure_quantize(device, geo, calls, reps)})
+        for row in found:
+            row = {"device": device.type, "geometry": gname, **row}
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def _forced(name: str) -> Iterator[None]:
+    """PAGEDFUSE_BACKEND=name for the block."""
+    old = os.environ.get("PAGEDFUSE_BACKEND")
+    os.environ["PAGEDFUSE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PAGEDFUSE_BACKEND"]
+        else:
+            os.environ["PAGEDFUSE_BACKEND"] = old
+
+
+def _line(row: dict) -> str:
+    cells = [f"{key} {row[key]['median']:.1f}/{row[key]['best']:.1f}" for key in
+             ("op_inference_mode", "op_grad_mode", "run", "build_call", "check_values")
+             if key in row]
+    return (f"{row['device']} {row['geometry']} {row['kind']} [{row['backend']}]: "
+            + ", ".join(cells) + " µs (median/best loop)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the CPU kernels' time varies least)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed loop")
+    parser.add_argument("--reps", type=int, default=7, help="timed loops")
+    parser.add_argument("--label", default="", help="appended to the JSON's file name")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        devices.remove("cuda")
+    RESULTS.mkdir(exist_ok=True)
+    for name in devices:
+        device = torch.device(name)
+        rows = measure(device, args.calls, args.reps)
+        stamp = datetime.datetime.now(datetime.timezone.utc)
+        record = {
+            "benchmark": "bench_overhead", "date": stamp.isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device) if name == "cuda" else
+            platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "threads": args.threads, "batch": BATCH, "length": LENGTH[name], "page": PAGE,
+            "calls_per_loop": args.calls, "loops": args.reps,
+            "env": {var: getattr(envs, var) for var in ("PAGEDFUSE_PDL", "PAGEDFUSE_BALANCED",
+                                                        "PAGEDFUSE_CHECKS")},
+            "unit": "wall µs per call (median and best loop)", "rows": rows,
+        }
+        label = f"-{args.label}" if args.label else ""
+        path = RESULTS / f"overhead-{name}-{stamp:%Y%m%d-%H%M%S}{label}.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Every PAGEDFUSE_* environment variable, declared once: name, default, meaning, reader.
+
+Python code reads a switch as an attribute of this module (``envs.PAGEDFUSE_CHECKS``), which
+parses the variable's current value on each access, so a test or a benchmark can change it
+between calls. Variables read by C++ or by setup.py are declared here too, so this is the one
+list of them; setup.py loads this file by path (it imports nothing but the standard library),
+since the package cannot be imported before it is built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _flag(raw: str) -> bool:
+    return raw == "1"
+
+
+def _on_unless_zero(raw: str) -> bool:
+    return raw != "0"
+
+
+def _name_or_none(raw: str) -> str | None:
+    return raw or None
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One switch: ``parse`` turns the raw string (the default when unset) into its value;
+    ``reader`` says who reads it: "python" (through this module), "c++" (the CPU kernels,
+    on every call) or "setup.py" (at build time)."""
+
+    name: str
+    default: str
+    meaning: str
+    reader: str
+    parse: Callable[[str], Any] = _text
+
+    def value(self) -> Any:
+        return self.parse(os.environ.get(self.name, self.default))
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("PAGEDFUSE_CHECKS", "0",
+           "1: check tensor values (block ids, lengths) of device tensors too, which "
+           "synchronizes with the device; CPU tensors are always checked", "python", _flag),
+    EnvVar("PAGEDFUSE_BACKEND", "",
+           "force the named kernel backend (see pagedfuse.ops.backends) for every paged "
+           "attention call; a call it cannot take raises, naming why", "python",
+           _name_or_none),
+    EnvVar("PAGEDFUSE_PDL", "1",
+           "0: launch the CUDA kernels plainly instead of as programmatic dependent launches "
+           "on sm_90 (e.g. for a profiler that serializes kernels)", "python", _on_unless_zero),
+    EnvVar("PAGEDFUSE_BALANCED", "0",
+           "1: the CUDA C++ decode takes its balanced grid rather than fixed splits (faster "
+           "on a batch of one long sequence among short ones; see benchmarks/RESULTS.md)",
+           "python", _flag),
+    EnvVar("PAGEDFUSE_CPU_ISA", "auto",
+           "the CPU kernels' instruction set: auto, portable or avx512 (AVX-512 VNNI)", "c++"),
+    EnvVar("PAGEDFUSE_CUDA", "auto",
+           "1: build the CUDA C++ library (fails without nvcc); 0: skip it; auto: build it "
+           "where nvcc and a CUDA build of torch are present", "setup.py"),
+    EnvVar("PAGEDFUSE_CUDA_ARCH", "80;90",
+           "compute capabilities to build the CUDA C++ library for (machine code for each, "
+           "plus PTX of the last for newer GPUs)", "setup.py"),
+    EnvVar("PAGEDFUSE_NVCC_FLAGS", "",
+           "extra nvcc flags (e.g. a -D of a kernel variant to time)", "setup.py"),
+)}
+
+
+def __getattr__(name: str) -> Any:
+    var = VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.value()
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *VARIABLES])

@@ -1,0 +1,138 @@
+"""The CUDA C++ decode (csrc/cuda/paged_decode.cu, bound in cuda_native.py) as a backend:
+one query token per sequence, no attn_bias, 16-bit queries, at most MAX_GROUP query heads
+per KV head. Where it applies it outranks the Triton kernel: on the H200 it is as fast or
+faster for every cache format and head_dim it is built for, bf16 at B >= 8 by 2-14%
+(benchmarks/RESULTS.md, calls 30-32)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from pagedfuse import envs
+from pagedfuse.ops import cuda, cuda_native
+from pagedfuse.ops.backends.registry import Backend, register_backend
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.cuda import LaunchConfig
+from pagedfuse.ops.triton_paged import LOG2E
+
+HEAD_DIMS = frozenset(cuda_native.HEAD_DIMS)
+BALANCED = 0  # the split count that means the balanced grid
+
+
+def native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
+                  device: torch.device, heads: int | None = None,
+                  balanced: bool | None = None) -> LaunchConfig:
+    """The decode's launch: ``heads`` KV heads per CTA (by default
+    cuda_native.heads_per_cta); block_n is the keys a CTA steps over per head at a time
+    (the split heuristic's tile); it has one tile in flight per warp (num_stages 1); resident
+    is the variant's CUDA occupancy in (sequence, KV head) programs. INT8 K with a 16-bit V
+    fills its one wave closer than a power of two of splits does (wave_splits): on the H200
+    at B=8, 6 splits (3 CTAs per SM, 8 KV heads) were 1.7-2.9% faster than 4 and 12
+    (tinyllama) as fast as 8, where the same 6 splits cost bf16 10-13%
+    (benchmarks/RESULTS.md, calls 36 and 43). ``balanced`` (default PAGEDFUSE_BALANCED):
+    the balanced grid rather than fixed splits, up to its batch limit."""
+    variant = cuda_native.decode_variant(device, kind, head_dim)
+    if heads is None:
+        heads = cuda_native.heads_per_cta(variant, num_kv_heads, batch, cuda.sm_count(device))
+    return LaunchConfig(cuda_native.cta_tokens(variant, heads), variant.warps, 1,
+                        resident=variant.resident * heads, pow2_wave=kind != "int8_k",
+                        heads=heads,
+                        balanced=envs.PAGEDFUSE_BALANCED if balanced is None else balanced)
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_ctas(config: LaunchConfig, variant: cuda_native.Variant, batch: int,
+                  num_kv_heads: int, head_dim: int, context: int, sm_count: int) -> int:
+    """CTAs of the balanced grid: the split grid's count at the balanced kernel's occupancy,
+    one per sequence and group of ``config.heads`` KV heads times num_kv_splits. Then with
+    equal lengths each CTA's share is one split's chunk, as in the split grid; one CTA per
+    resident slot instead, with shares that start mid-sequence, was slower on the H200 at 17
+    of 21 points, by up to 3.9% (benchmarks/RESULTS.md, call 73)."""
+    balanced = config._replace(resident=variant.balanced_resident * config.heads)
+    splits = cuda.num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, balanced)
+    return num_kv_heads // config.heads * max(batch, 1) * splits
+
+
+class DecodePlan(NamedTuple):
+    """One launch: ``splits`` per sequence (BALANCED: the balanced grid of ``ctas`` CTAs),
+    ``config.heads`` KV heads per CTA, ``pdl``: programmatic dependent launches."""
+
+    config: LaunchConfig
+    splits: int
+    ctas: int
+    pdl: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_plan(kind: str, num_kv_heads: int, head_dim: int, batch: int, context: int,
+                device: torch.device, config: LaunchConfig, splits: int | None,
+                pdl: bool) -> DecodePlan:
+    """The plan of one geometry: cached, since every eager call asks for it."""
+    sms = cuda.sm_count(device)
+    if splits is None:
+        splits = (BALANCED if config.balanced and batch <= cuda_native.BALANCED_MAX_BATCH else
+                  cuda.num_kv_splits(batch, num_kv_heads, head_dim, context, sms, config))
+    ctas = 0
+    if splits == BALANCED:
+        variant = cuda_native.decode_variant(device, kind, head_dim)
+        ctas = balanced_ctas(config, variant, batch, num_kv_heads, head_dim, context, sms)
+    return DecodePlan(config, splits, ctas, pdl)
+
+
+def make_plan(call: PagedCall, config: LaunchConfig | None = None,
+              splits: int | None = None) -> DecodePlan:
+    """The launch of ``call``: the heuristics' choice, or ``config`` (native_config with a
+    chosen ``heads``) / ``splits`` (BALANCED: the balanced grid) instead."""
+    g, device = call.geometry, call.device
+    kind = cuda_native.kind_of(call.key_cache, call.value_cache)
+    config = config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch, device)
+    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.context_bound, device,
+                       config, splits, envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
+
+
+def supports(call: PagedCall) -> str | None:
+    if call.attn_bias is not None:
+        return "attn_bias"
+    bound = call.query_bound
+    if not isinstance(bound, int):
+        return "query tokens per sequence unknown (dynamic)"
+    if bound > 1:
+        return "more than one query token per sequence"
+    return cuda_native.decode_unsupported(call)
+
+
+def run(call: PagedCall, out: torch.Tensor, plan: DecodePlan | None = None) -> None:
+    """Fill the contiguous ``out`` [T, Hq, D]: quantize the query (INT8 K), the decode
+    grid, then the split combine where there are several splits."""
+    p = make_plan(call) if plan is None else plan
+    g = call.geometry
+    heads = p.config.heads
+    if call.int8_k:
+        q, q_scale = cuda.quantized_query(call, release=p.pdl)
+    else:
+        q, q_scale = call.query, None
+        if not cuda_native.aligned_rows(q):
+            q = q.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    counters = None
+    if p.splits == 1:
+        part_o = part_lse = out
+    elif p.splits == BALANCED:  # two pieces per CTA of its heads' query rows
+        part_o, part_lse = cuda.partials(call, 2 * p.ctas * heads * g.group)
+        counters = cuda_native.balanced_counters(call.device, g.batch * g.num_kv_heads // heads)
+    else:
+        part_o, part_lse = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
+    pdl = (cuda_native.PDL_OFF if not p.pdl else
+           cuda_native.PDL_AFTER_QUANTIZE if call.int8_k else cuda_native.PDL_WAIT_FIRST)
+    cuda_native.decode_into(call, out, q, q_scale, call.scale * LOG2E, p.splits, heads, part_o,
+                            part_lse, pdl=pdl, ctas=p.ctas, counters=counters)
+    if p.splits > 1:
+        cuda.combine(call, out, part_o, part_lse, p.splits, p.pdl)
+
+
+BACKEND = register_backend(Backend(
+    name="cuda_decode", device="cuda", priority=200,
+    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run,
+    make_plan=make_plan))

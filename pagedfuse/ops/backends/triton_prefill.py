@@ -1,0 +1,26 @@
+"""The Triton prefill kernels (triton_prefill.py) as a backend: CUDA calls with more than one
+query token per sequence, bf16/fp16 queries, every cache format. A grid over (head pack,
+query tile, sequence) spreads a prompt's tiles over the whole GPU, which the split-KV
+``triton`` kernel (one program per sequence and KV head) cannot; it outranks that kernel
+wherever it applies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedfuse.ops.backends.registry import Backend, register_backend
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.prefill_plan import HEAD_DIMS, PrefillPlan, default_plan, prefill_unsupported
+from pagedfuse.ops.triton_prefill import prefill_into
+
+
+def make_plan(call: PagedCall, **overrides: object) -> PrefillPlan:
+    """The heuristic's plan for ``call`` with ``overrides`` (PrefillPlan's fields) in place:
+    how benchmarks pin tiles, warps, stages and the INT8 P·V mode."""
+    return dataclasses.replace(default_plan(call), **overrides)
+
+
+BACKEND = register_backend(Backend(
+    name="triton_prefill", device="cuda", priority=150,
+    head_dims={FLOAT_OP: frozenset(HEAD_DIMS), INT8_OP: frozenset(HEAD_DIMS)},
+    supports=prefill_unsupported, run=prefill_into, make_plan=make_plan))
