@@ -30,9 +30,10 @@ class RMSNorm(nn.Module):
 def rope_angles(positions: torch.Tensor, head_dim: int,
                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, S, 1, D/2] of the rotary angles at positions [B, S], shared by q and k."""
-    half = head_dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=positions.device,
-                                       dtype=torch.float32) / half)
+    # transformers' spelling of the frequencies, so imported models match it to the last bit
+    exponents = torch.arange(0, head_dim, 2, device=positions.device,
+                             dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / theta ** exponents
     angles = positions.to(torch.float32)[..., None, None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -89,20 +90,24 @@ class PagedAttention(nn.Module):
         cfg = self.config
         batch, seq = x.shape[:2]
         q, k, v = self.project(x, positions)
+        attn_dtype = cfg.attention_dtype
+        if attn_dtype != x.dtype:  # e.g. fp32 weights over a bf16 cache
+            q, k, v = q.to(attn_dtype), k.to(attn_dtype), v.to(attn_dtype)
         write_kv(cache, slot_mapping, k.reshape(batch * seq, cfg.num_kv_heads, cfg.head_dim),
                  v.reshape(batch * seq, cfg.num_kv_heads, cfg.head_dim), cfg)
-        keys, values = gather_kv(cache, block_table, x.dtype, cfg)
+        keys, values = gather_kv(cache, block_table, attn_dtype, cfg)
         key_pos = torch.arange(block_table.shape[1] * cfg.block_size, device=x.device)
         if seq == 1:  # decode: a pure length mask, [B, 1, 1, L]
             visible = (key_pos < seq_lens[:, None])[:, None, None, :]
         else:  # prefill: bottom-right causal and length, [B, 1, S, L]
             visible = ((key_pos[None, None, :] <= positions[:, :, None])
                        & (key_pos < seq_lens[:, None])[:, None, :])[:, None]
-        mask = alibi_bias(self.slopes, positions, key_pos, visible, x.dtype) if cfg.alibi \
+        mask = alibi_bias(self.slopes, positions, key_pos, visible, attn_dtype) if cfg.alibi \
             else visible
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.o_proj(out if attn_dtype == x.dtype else out.to(x.dtype))
 
 
 class SwiGLU(nn.Module):

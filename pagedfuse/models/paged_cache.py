@@ -94,17 +94,18 @@ class PagedKVCache:
         scale_shape = (num_blocks, bs, hkv) if cfg.layout == "nhd" else (num_blocks, hkv, bs)
         shape = (*scale_shape, cfg.head_dim)
 
-        def pages() -> torch.Tensor:
-            if cfg.kv_cache == "int8":
+        def pages(dtype: torch.dtype) -> torch.Tensor:
+            if dtype == torch.int8:
                 return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
-            return torch.randn(shape, generator=gen).to(cfg.cache_dtype)
+            return torch.randn(shape, generator=gen).to(dtype)
 
-        def scales() -> torch.Tensor | None:
-            if cfg.kv_cache != "int8":
+        def scales(dtype: torch.dtype) -> torch.Tensor | None:
+            if dtype != torch.int8:
                 return None
             return torch.rand(scale_shape, generator=gen) * 0.05 + 0.01
 
-        tensors = (pages(), pages(), scales(), scales())
+        k_dtype, v_dtype = cfg.cache_dtype, cfg.value_cache_dtype
+        tensors = (pages(k_dtype), pages(v_dtype), scales(k_dtype), scales(v_dtype))
         return LayerCache(*(t if t is None else t.to(self.device) for t in tensors))
 
     def append(self, tokens: torch.Tensor) -> StepInputs:
