@@ -110,6 +110,26 @@ def test_block_manager_metadata():
         cache.append(torch.zeros(3, 5, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_right_padded_prompts_generate_as_each_prompt_alone(kv_cache):
+    """Prompts of lengths 3, 6 and 4 in one padded batch: each row's logits and tokens are
+    those of the prompt run alone, though its padding was written to the cache."""
+    config = preset("tinyllama", kv_cache=kv_cache, block_size=BLOCK_SIZE)
+    model = PagedDecoder(config, seed=3)
+    lengths = [3, 6, 4]
+    padded = _prompts(config.vocab_size, batch=3, length=6)
+    together = generate(model, padded, STEPS, prompt_lens=lengths)
+    for row, length in enumerate(lengths):
+        alone = generate(model, padded[row:row + 1, :length], STEPS)
+        assert torch.equal(together.tokens[row, 6:], alone.tokens[0, length:])
+        torch.testing.assert_close(together.logits[row, 6:], alone.logits[0, length:],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together.logits[row, :length], alone.logits[0, :length],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="^lengths: "):
+        model.new_cache(2, 8).rewind([1, 2])
+
+
 def test_config_errors_name_the_argument():
     with pytest.raises(ValueError, match="^preset: 'gpt5'"):
         preset("gpt5")

@@ -185,12 +185,17 @@ class Generation(NamedTuple):
 def generate(model: PagedDecoder, prompts: torch.Tensor, steps: int, *,
              forward: Callable[..., torch.Tensor] | None = None,
              forced: torch.Tensor | None = None, cache_seed: int = 0,
-             on_step: Callable[[], None] | None = None) -> Generation:
-    """Prefill ``prompts`` [B, P] (one length for all), then ``steps`` greedy decode steps.
+             on_step: Callable[[], None] | None = None,
+             prompt_lens: list[int] | None = None) -> Generation:
+    """Prefill ``prompts`` [B, P], then ``steps`` greedy decode steps.
 
     ``forward`` replaces ``model`` for the calls (e.g. a compiled model); ``forced`` [B, >=
     P + steps + 1] feeds those tokens instead of the argmax (teacher forcing, to compare two
-    runs position by position); ``on_step`` is called after each forward.
+    runs position by position); ``on_step`` is called after each forward. ``prompt_lens``
+    gives each row's own length when ``prompts`` is right-padded to P: the first token comes
+    from the row's last prompt token, the padding's K/V are overwritten and never attended
+    to, and every row's generated tokens still start at column P (so one batch, two graphs,
+    serves prompts of any lengths).
     """
     forward = model if forward is None else forward
     batch, prompt_len = prompts.shape
@@ -202,7 +207,11 @@ def generate(model: PagedDecoder, prompts: torch.Tensor, steps: int, *,
         all_logits.append(logits)
         if on_step is not None:
             on_step()
-        chosen = logits[:, -1].argmax(dim=-1) if forced is None else forced[:, prompt_len + step]
+        last = logits[:, -1]
+        if step == 0 and prompt_lens is not None:
+            cache.rewind(prompt_lens)
+            last = logits[torch.arange(batch), torch.tensor(prompt_lens) - 1]
+        chosen = last.argmax(dim=-1) if forced is None else forced[:, prompt_len + step]
         fed = chosen.to(tokens.device, torch.int64)[:, None]
         tokens = torch.cat((tokens, fed), dim=1)
     return Generation(tokens, torch.cat(all_logits, dim=1))

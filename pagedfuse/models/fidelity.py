@@ -28,6 +28,14 @@ class WindowScores(NamedTuple):
         return torch.cat((self.prefill[0], self.decode[0], later.flatten()))
 
 
+def reference_text() -> str:
+    """Python's own language reference (``pydoc_data.topics``, topics in sorted order): fixed
+    English prose with code, shipped with every Python, so no download."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
 def perplexity(nll: torch.Tensor) -> float:
     return math.exp(nll.double().mean().item())
 

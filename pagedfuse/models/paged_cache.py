@@ -108,6 +108,15 @@ class PagedKVCache:
         tensors = (pages(k_dtype), pages(v_dtype), scales(k_dtype), scales(v_dtype))
         return LayerCache(*(t if t is None else t.to(self.device) for t in tensors))
 
+    def rewind(self, lengths: list[int]) -> None:
+        """Forget each sequence's tokens past ``lengths`` (e.g. the padding of a right-padded
+        prefill): the next append overwrites their slots and seq_lens masks what is left."""
+        if len(lengths) != len(self.lengths) or not all(
+                0 <= new <= old for new, old in zip(lengths, self.lengths, strict=True)):
+            raise ValueError(f"lengths: {lengths} must be one per sequence, each at most its "
+                             f"current length {self.lengths}")
+        self.lengths = list(lengths)
+
     def append(self, tokens: torch.Tensor) -> StepInputs:
         """Metadata for feeding ``tokens`` [B, q_len] after each sequence's current tokens
         (prefill when empty, decode with q_len 1); allocates blocks as needed."""
