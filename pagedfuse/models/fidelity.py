@@ -52,9 +52,13 @@ def sliding_windows(tokens: torch.Tensor, window: int, prefill: int) -> torch.Te
     return tokens.unfold(0, window, stride)[:count]
 
 
-def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape).double()
+def _nll(logits: torch.Tensor, targets: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+    """Per-token NLL, ``rows`` at a time: a long prefill's log-softmax over a 49k vocabulary
+    would otherwise double its multi-GB logits."""
+    flat, wanted = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    parts = [F.cross_entropy(chunk.float(), goal, reduction="none")
+             for chunk, goal in zip(flat.split(rows), wanted.split(rows), strict=True)]
+    return torch.cat(parts).view(targets.shape).double()
 
 
 @torch.no_grad()
