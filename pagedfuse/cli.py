@@ -300,11 +300,26 @@ def model_cache_failures(kv_cache: str, runs: list[TextRun]) -> list[str]:
     return found
 
 
+def _report_lines(report) -> list[str]:
+    """A graph's report in one line (30 identical layers make the full table long), plus the
+    reason for every site left as written."""
+    ops = sorted({s.replacement for s in report.sites if s.rewritten})
+    lines = [f"pagedfuse ({report.graph}): {report.num_rewritten}/{report.num_sites} attention "
+             f"sites rewritten -> {', '.join(ops) or 'nothing'}"]
+    for site in report.sites:
+        failed = site.first_failure
+        if not site.rewritten:
+            lines.append(f"  kept {site.site}: " + (f"{failed.name}: {failed.reason}" if failed
+                                                     else "no pattern matched"))
+    return lines
+
+
 def print_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, runs: list[TextRun],
                       fp32_eager: TextRun | None, write: Callable[[str], None]) -> None:
     for run in runs:
         for report in run.reports:
-            write(report.table())
+            for line in _report_lines(report):
+                write(line)
     width = max(len(r.path) for r in runs)
     for i, question in enumerate(MODEL_QUESTIONS):
         write(f"[{i + 1}] {question}")
@@ -313,13 +328,13 @@ def print_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, runs: list[Tex
     eager = runs[0]
     lines = []
     for run in runs:
-        same, total = run.agreement(eager)
-        note = f"{same}/{total} tokens as eager"
-        if run is eager and fp32_eager is not None and fp32_eager is not eager:
-            same, total = run.agreement(fp32_eager)
-            note = f"{same}/{total} tokens as eager fp32"
-        lines.append(f"{run.path} {run.tok_s:.1f} tok/s ({note})")
-    write(f"{kv_cache}: " + " | ".join(lines))
+        reference, name = (fp32_eager, "eager fp32") if run is eager else (eager, "eager")
+        note = ""
+        if reference is not None and reference is not run:
+            same, total = run.agreement(reference)
+            note = f" ({same}/{total} tokens as {name})"
+        lines.append(f"{run.path} {run.tok_s:.1f} tok/s{note}")
+    write(f"{kv_cache} decode: " + " | ".join(lines))
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
