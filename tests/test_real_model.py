@@ -27,6 +27,16 @@ QUESTIONS = ("What is the capital of France?", "Name the first two men on the mo
              "Write a haiku about the sea.")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """This model's decode steps are small matmuls; on a 2-core machine shared with other
+    work, a second torch thread spin-waits and made this module ~3x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def loaded() -> smollm2.LoadedModel:
     try:
