@@ -144,20 +144,19 @@ def test_config_errors_name_the_argument():
     assert preset("tinyllama", kv_cache="int8", dtype=torch.bfloat16).cache_dtype == torch.int8
 
 
-@pytest.mark.parametrize("kv_cache, value_cache, k_dtype, v_dtype, attn_dtype, name", [
-    ("fp32", None, torch.float32, torch.float32, torch.float32, "fp32"),
-    ("bf16", None, torch.bfloat16, torch.bfloat16, torch.bfloat16, "bf16"),
-    ("int8", None, torch.int8, torch.int8, torch.float32, "int8"),
-    ("int8", "int8", torch.int8, torch.int8, torch.float32, "int8"),
-    ("int8", "bf16", torch.int8, torch.bfloat16, torch.bfloat16, "int8k-bf16v"),
+@pytest.mark.parametrize("kv_cache, value_cache, k_dtype, v_dtype, attn_dtype", [
+    ("fp32", None, torch.float32, torch.float32, torch.float32),
+    ("bf16", None, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ("int8", None, torch.int8, torch.int8, torch.float32),
+    ("int8", "int8", torch.int8, torch.int8, torch.float32),
+    ("int8", "bf16", torch.int8, torch.bfloat16, torch.bfloat16),
 ])
 def test_cache_kinds_set_page_and_attention_dtypes(kv_cache, value_cache, k_dtype, v_dtype,
-                                                   attn_dtype, name):
+                                                   attn_dtype):
     config = preset("tinyllama", kv_cache=kv_cache, value_cache=value_cache, dtype=torch.float32,
                     block_size=BLOCK_SIZE)
     assert (config.cache_dtype, config.value_cache_dtype) == (k_dtype, v_dtype)
     assert (config.attention_dtype, config.activation_dtype) == (attn_dtype, torch.float32)
-    assert config.cache_name == name
     layer = PagedKVCache(config, batch=2, max_len=9).layers[0]
     assert (layer.key.dtype, layer.value.dtype) == (k_dtype, v_dtype)
     assert (layer.key_scale is None, layer.value_scale is None) == \

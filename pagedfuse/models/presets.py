@@ -62,12 +62,6 @@ class DecoderConfig:
         return self.value_cache or self.kv_cache
 
     @property
-    def cache_name(self) -> str:
-        """fp32, bf16, int8 (K and V) or e.g. int8k-bf16v."""
-        kv = (self.kv_cache, self.value_kind)
-        return kv[0] if kv[0] == kv[1] else f"{kv[0]}k-{kv[1]}v"
-
-    @property
     def activation_dtype(self) -> torch.dtype:
         return self.dtype or self.attention_dtype
 
