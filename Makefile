@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=64" wheel "pybind11>=2.12"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,model]"
 	touch $(STAMP)
 
 test: lint

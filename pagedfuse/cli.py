@@ -7,6 +7,9 @@ logits' max relative error over ``LOGITS_RTOL`` or the token agreement under
 ``MIN_AGREEMENT``. Both are looser than the op tolerances of DESIGN.md because the error
 compounds over layers, and INT8 adds the query quantization the fused op does (the eager model
 attends with a float query).
+
+``demo --model smollm2`` runs a trained model instead (SmolLM2-135M-Instruct, fetched on first
+use): real text for a few questions, eager, inductor alone and pagedfuse, per KV cache kind.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from pagedfuse.models import (
     DecoderConfig,
     Generation,
     PagedDecoder,
+    from_transformers,
     generate,
     preset,
+    smollm2,
 )
 
 # max |compiled - eager| / max |eager| over all logits, per KV cache kind.
@@ -132,9 +137,11 @@ def _progress(total: int, desc: str):
 
 def _timed_generate(model: PagedDecoder, prompts: torch.Tensor, steps: int,
                     forward: Callable[..., torch.Tensor], forced: torch.Tensor | None,
-                    tick: Callable[[], None]) -> tuple[Generation, float]:
+                    tick: Callable[[], None],
+                    prompt_lens: list[int] | None = None) -> tuple[Generation, float]:
     """The generation and its decode throughput: batch / median decode-step time (the median
-    keeps one step slowed by a busy machine from skewing a short run)."""
+    keeps one step slowed by a busy machine, or by compiling the decode graph, from skewing a
+    short run)."""
     device = prompts.device
     stamps: list[float] = []
 
@@ -144,7 +151,8 @@ def _timed_generate(model: PagedDecoder, prompts: torch.Tensor, steps: int,
         stamps.append(time.perf_counter())
         tick()
 
-    gen = generate(model, prompts, steps, forward=forward, forced=forced, on_step=on_step)
+    gen = generate(model, prompts, steps, forward=forward, forced=forced, on_step=on_step,
+                   prompt_lens=prompt_lens)
     step_seconds = statistics.median(b - a for a, b in itertools.pairwise(stamps))
     return gen, prompts.shape[0] / step_seconds
 
@@ -214,9 +222,153 @@ def run_demo(args: argparse.Namespace) -> list[CaseResult]:
     return results
 
 
+MODEL_QUESTIONS = ("What is the capital of France?", "Who were the first men on the moon?",
+                   "Write one sentence about the sea.")
+MODEL_CACHES = ("fp32", "bf16", "int8")
+
+
+@dataclass
+class TextRun:
+    """One way of running the real model over all questions."""
+
+    path: str  # eager, inductor or pagedfuse
+    tokens: list[list[int]]  # the generated tokens, one list per question
+    tok_s: float
+    reports: list  # pagedfuse reports (pagedfuse only)
+
+    def agreement(self, other: TextRun) -> tuple[int, int]:
+        """(tokens equal to ``other``'s at the same position, tokens)."""
+        pairs = [(a, b) for mine, theirs in zip(self.tokens, other.tokens, strict=True)
+                 for a, b in zip(mine, theirs, strict=True)]
+        return sum(a == b for a, b in pairs), len(pairs)
+
+
+def _model_paths(inner: str) -> tuple[str, ...]:
+    """--inner eager compiles nothing with inductor, so it drops the inductor column too."""
+    return ("eager", "inductor", "pagedfuse") if inner == "inductor" else ("eager", "pagedfuse")
+
+
+def _model_forward(model: PagedDecoder, path: str, args: argparse.Namespace):
+    torch._dynamo.reset()
+    pagedfuse.clear_reports()
+    if path == "eager":
+        return model
+    if path == "inductor":
+        return torch.compile(model)
+    return torch.compile(model, backend=pagedfuse.backend(inner=args.inner, verify=args.verify))
+
+
+def run_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, args: argparse.Namespace,
+                    bar) -> list[TextRun]:
+    """Every path over all questions in one right-padded batch (one prefill graph, one decode
+    graph); the compile happens in the run, outside the median decode step it reports."""
+    questions = [smollm2.chat_tokens(loaded.tokenizer, q) for q in MODEL_QUESTIONS]
+    lengths = [len(q) for q in questions]
+    pad = loaded.tokenizer.pad_token_id or 0
+    prompts = torch.tensor([q + [pad] * (max(lengths) - len(q)) for q in questions],
+                           device=args.device)
+    model = from_transformers(loaded.hf_model, device=args.device, kv_cache=kv_cache,
+                              layout=args.layout or "nhd", block_size=args.block_size)
+    runs = []
+    for path in _model_paths(args.inner):
+        forward = _model_forward(model, path, args)
+        gen, tok_s = _timed_generate(model, prompts, args.steps, forward, None,
+                                     lambda: bar.update(1), prompt_lens=lengths)
+        reports = pagedfuse.reports() if path == "pagedfuse" else []
+        runs.append(TextRun(path, gen.tokens[:, prompts.shape[1]:].tolist(), tok_s, reports))
+    return runs
+
+
+def _text(loaded: smollm2.LoadedModel, tokens: list[int]) -> str:
+    """The answer up to the end-of-turn token, on one line."""
+    eos = loaded.tokenizer.eos_token_id
+    end = tokens.index(eos) if eos in tokens else len(tokens)
+    return " ".join(loaded.tokenizer.decode(tokens[:end], skip_special_tokens=True).split())
+
+
+def model_cache_failures(kv_cache: str, runs: list[TextRun]) -> list[str]:
+    """A pagedfuse graph with an attention site left, or fp32 text that differs from eager."""
+    found = []
+    for run in runs:
+        sites = sum(r.num_sites for r in run.reports)
+        rewritten = sum(r.num_rewritten for r in run.reports)
+        if run.path == "pagedfuse" and (sites == 0 or rewritten < sites):
+            found.append(f"{kv_cache}: {rewritten}/{sites} attention sites rewritten")
+        same, total = run.agreement(runs[0])
+        if kv_cache == "fp32" and same < total:
+            found.append(f"fp32: {run.path} picked {total - same} tokens eager did not")
+    return found
+
+
+def _report_lines(report) -> list[str]:
+    """A graph's report in one line (30 identical layers make the full table long), plus the
+    reason for every site left as written."""
+    ops = sorted({s.replacement for s in report.sites if s.rewritten})
+    lines = [f"pagedfuse ({report.graph}): {report.num_rewritten}/{report.num_sites} attention "
+             f"sites rewritten -> {', '.join(ops) or 'nothing'}"]
+    for site in report.sites:
+        failed = site.first_failure
+        if not site.rewritten:
+            lines.append(f"  kept {site.site}: " + (f"{failed.name}: {failed.reason}" if failed
+                                                     else "no pattern matched"))
+    return lines
+
+
+def print_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, runs: list[TextRun],
+                      fp32_eager: TextRun | None, write: Callable[[str], None]) -> None:
+    for run in runs:
+        for report in run.reports:
+            for line in _report_lines(report):
+                write(line)
+    width = max(len(r.path) for r in runs)
+    for i, question in enumerate(MODEL_QUESTIONS):
+        write(f"[{i + 1}] {question}")
+        for run in runs:
+            write(f"    {run.path:<{width}}  {_text(loaded, run.tokens[i])}")
+    eager = runs[0]
+    lines = []
+    for run in runs:
+        reference, name = (fp32_eager, "eager fp32") if run is eager else (eager, "eager")
+        note = ""
+        if reference is not None and reference is not run:
+            same, total = run.agreement(reference)
+            note = f" ({same}/{total} tokens as {name})"
+        lines.append(f"{run.path} {run.tok_s:.1f} tok/s{note}")
+    write(f"{kv_cache} decode: " + " | ".join(lines))
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    try:
+        loaded = smollm2.load(args.model_path)
+    except smollm2.ModelUnavailable as err:
+        print(f"pagedfuse demo: {err}", file=sys.stderr)
+        return 2
+    caches = [args.kv_cache] if args.kv_cache else list(MODEL_CACHES)
+    paths = _model_paths(args.inner)
+    bar = _progress(len(caches) * len(paths) * (args.steps + 1), "pagedfuse demo")
+    failures, fp32_eager = [], None
+    try:
+        for kv_cache in caches:
+            bar.write(f"\n== SmolLM2-135M-Instruct, {kv_cache} KV cache: "
+                      f"{len(MODEL_QUESTIONS)} questions, {args.steps + 1} new tokens, "
+                      f"{args.device}; {', '.join(paths)} (the first compile of a 30-layer "
+                      "model takes minutes on a small CPU) ==")
+            runs = run_model_cache(loaded, kv_cache, args, bar)
+            fp32_eager = runs[0] if kv_cache == "fp32" else fp32_eager
+            print_model_cache(loaded, kv_cache, runs, fp32_eager, bar.write)
+            failures += model_cache_failures(kv_cache, runs)
+    finally:
+        bar.close()
+    print("\n" + ("\n".join(failures) if failures else
+                  f"PASS: every attention site rewritten for {', '.join(caches)}"))
+    return 1 if failures else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model:
+        return cmd_demo_model(args)
     results = run_demo(args)
     print("\nsummary")
     for result in results:
@@ -274,7 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", parents=[model_opts],
                           help="eager vs pagedfuse-compiled decoding, with the reports")
-    demo.add_argument("--steps", type=_positive, default=6, help="decode steps after prefill")
+    demo.add_argument("--steps", type=_positive,
+                      help="decode steps after prefill (default 6; 31 with --model)")
+    demo.add_argument("--model", choices=("smollm2",),
+                      help="a trained model (fetched on first use) generating text for fixed "
+                      "questions, instead of the random presets; --preset, --alibi, --all, "
+                      "--batch, --prompt-len and --seed do not apply")
+    demo.add_argument("--model-path", help="the model's GGUF file (or its folder), e.g. "
+                      "copied to a machine with no network")
     demo.add_argument("--all", action="store_true",
                       help="every preset x cache kind x rope/alibi x layout")
     demo.add_argument("--inner", choices=("inductor", "eager"), default="inductor",
@@ -299,6 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
     if args.command == "demo":
+        if args.model and (args.preset or args.alibi or args.all):
+            parser.error("--model: runs the trained model; --preset, --alibi and --all pick "
+                         "random presets")
+        if args.steps is None:
+            args.steps = 31 if args.model else 6
         return cmd_demo(args)
     if args.command == "explain":
         return cmd_explain(args)

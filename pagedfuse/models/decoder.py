@@ -30,9 +30,10 @@ class RMSNorm(nn.Module):
 def rope_angles(positions: torch.Tensor, head_dim: int,
                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, S, 1, D/2] of the rotary angles at positions [B, S], shared by q and k."""
-    half = head_dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=positions.device,
-                                       dtype=torch.float32) / half)
+    # transformers' spelling of the frequencies, so imported models match it to the last bit
+    exponents = torch.arange(0, head_dim, 2, device=positions.device,
+                             dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / theta ** exponents
     angles = positions.to(torch.float32)[..., None, None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -89,20 +90,24 @@ class PagedAttention(nn.Module):
         cfg = self.config
         batch, seq = x.shape[:2]
         q, k, v = self.project(x, positions)
+        attn_dtype = cfg.attention_dtype
+        if attn_dtype != x.dtype:  # e.g. fp32 weights over a bf16 cache
+            q, k, v = q.to(attn_dtype), k.to(attn_dtype), v.to(attn_dtype)
         write_kv(cache, slot_mapping, k.reshape(batch * seq, cfg.num_kv_heads, cfg.head_dim),
                  v.reshape(batch * seq, cfg.num_kv_heads, cfg.head_dim), cfg)
-        keys, values = gather_kv(cache, block_table, x.dtype, cfg)
+        keys, values = gather_kv(cache, block_table, attn_dtype, cfg)
         key_pos = torch.arange(block_table.shape[1] * cfg.block_size, device=x.device)
         if seq == 1:  # decode: a pure length mask, [B, 1, 1, L]
             visible = (key_pos < seq_lens[:, None])[:, None, None, :]
         else:  # prefill: bottom-right causal and length, [B, 1, S, L]
             visible = ((key_pos[None, None, :] <= positions[:, :, None])
                        & (key_pos < seq_lens[:, None])[:, None, :])[:, None]
-        mask = alibi_bias(self.slopes, positions, key_pos, visible, x.dtype) if cfg.alibi \
+        mask = alibi_bias(self.slopes, positions, key_pos, visible, attn_dtype) if cfg.alibi \
             else visible
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.o_proj(out if attn_dtype == x.dtype else out.to(x.dtype))
 
 
 class SwiGLU(nn.Module):
@@ -180,12 +185,17 @@ class Generation(NamedTuple):
 def generate(model: PagedDecoder, prompts: torch.Tensor, steps: int, *,
              forward: Callable[..., torch.Tensor] | None = None,
              forced: torch.Tensor | None = None, cache_seed: int = 0,
-             on_step: Callable[[], None] | None = None) -> Generation:
-    """Prefill ``prompts`` [B, P] (one length for all), then ``steps`` greedy decode steps.
+             on_step: Callable[[], None] | None = None,
+             prompt_lens: list[int] | None = None) -> Generation:
+    """Prefill ``prompts`` [B, P], then ``steps`` greedy decode steps.
 
     ``forward`` replaces ``model`` for the calls (e.g. a compiled model); ``forced`` [B, >=
     P + steps + 1] feeds those tokens instead of the argmax (teacher forcing, to compare two
-    runs position by position); ``on_step`` is called after each forward.
+    runs position by position); ``on_step`` is called after each forward. ``prompt_lens``
+    gives each row's own length when ``prompts`` is right-padded to P: the first token comes
+    from the row's last prompt token, the padding's K/V are overwritten and never attended
+    to, and every row's generated tokens still start at column P (so one batch, two graphs,
+    serves prompts of any lengths).
     """
     forward = model if forward is None else forward
     batch, prompt_len = prompts.shape
@@ -197,7 +207,11 @@ def generate(model: PagedDecoder, prompts: torch.Tensor, steps: int, *,
         all_logits.append(logits)
         if on_step is not None:
             on_step()
-        chosen = logits[:, -1].argmax(dim=-1) if forced is None else forced[:, prompt_len + step]
+        last = logits[:, -1]
+        if step == 0 and prompt_lens is not None:
+            cache.rewind(prompt_lens)
+            last = logits[torch.arange(batch), torch.tensor(prompt_lens) - 1]
+        chosen = last.argmax(dim=-1) if forced is None else forced[:, prompt_len + step]
         fed = chosen.to(tokens.device, torch.int64)[:, None]
         tokens = torch.cat((tokens, fed), dim=1)
     return Generation(tokens, torch.cat(all_logits, dim=1))

@@ -94,18 +94,28 @@ class PagedKVCache:
         scale_shape = (num_blocks, bs, hkv) if cfg.layout == "nhd" else (num_blocks, hkv, bs)
         shape = (*scale_shape, cfg.head_dim)
 
-        def pages() -> torch.Tensor:
-            if cfg.kv_cache == "int8":
+        def pages(dtype: torch.dtype) -> torch.Tensor:
+            if dtype == torch.int8:
                 return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
-            return torch.randn(shape, generator=gen).to(cfg.cache_dtype)
+            return torch.randn(shape, generator=gen).to(dtype)
 
-        def scales() -> torch.Tensor | None:
-            if cfg.kv_cache != "int8":
+        def scales(dtype: torch.dtype) -> torch.Tensor | None:
+            if dtype != torch.int8:
                 return None
             return torch.rand(scale_shape, generator=gen) * 0.05 + 0.01
 
-        tensors = (pages(), pages(), scales(), scales())
+        k_dtype, v_dtype = cfg.cache_dtype, cfg.value_cache_dtype
+        tensors = (pages(k_dtype), pages(v_dtype), scales(k_dtype), scales(v_dtype))
         return LayerCache(*(t if t is None else t.to(self.device) for t in tensors))
+
+    def rewind(self, lengths: list[int]) -> None:
+        """Forget each sequence's tokens past ``lengths`` (e.g. the padding of a right-padded
+        prefill): the next append overwrites their slots and seq_lens masks what is left."""
+        if len(lengths) != len(self.lengths) or not all(
+                0 <= new <= old for new, old in zip(lengths, self.lengths, strict=True)):
+            raise ValueError(f"lengths: {lengths} must be one per sequence, each at most its "
+                             f"current length {self.lengths}")
+        self.lengths = list(lengths)
 
     def append(self, tokens: torch.Tensor) -> StepInputs:
         """Metadata for feeding ``tokens`` [B, q_len] after each sequence's current tokens

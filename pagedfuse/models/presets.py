@@ -15,10 +15,13 @@ _FLOAT_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """A Llama-style decoder. ``kv_cache`` is how K/V are stored (int8: per-token, per-KV-head
-    float32 scales); ``layout`` is the page layout: nhd = [blocks, block_size, Hkv, D],
-    hnd = [blocks, Hkv, block_size, D]. ``dtype`` is the activation dtype; None derives it
-    from a float cache (the fused op needs cache and query in one dtype) or fp32 for int8."""
+    """A Llama-style decoder. ``kv_cache`` is how K (and V, unless ``value_cache`` names a
+    float kind for an int8 K) are stored (int8: per-token, per-KV-head float32 scales);
+    ``layout`` is the page layout: nhd = [blocks, block_size, Hkv, D], hnd = [blocks, Hkv,
+    block_size, D]. ``dtype`` is the dtype of the weights and activations; None derives it from
+    a float cache or fp32 for int8. Attention runs in the float cache's dtype (the fused op
+    needs cache and query in one dtype), so fp32 weights over a bf16 cache cast q, k, v to
+    bf16 and the attention output back."""
 
     num_q_heads: int
     num_kv_heads: int
@@ -31,6 +34,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     alibi: bool = False
     kv_cache: str = "fp32"
+    value_cache: str | None = None
     layout: str = "nhd"
     block_size: int = 16
     dtype: torch.dtype | None = None
@@ -46,19 +50,43 @@ class DecoderConfig:
                              f"num_kv_heads {self.num_kv_heads}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
-        cache_dtype = _FLOAT_CACHE_DTYPES.get(self.kv_cache)
-        if self.dtype is not None and cache_dtype not in (None, self.dtype):
-            raise ValueError(f"dtype: {self.dtype} differs from the {self.kv_cache} cache; "
-                             "a float cache stores K/V in the activation dtype")
+        if self.value_cache is not None and self.value_cache != self.kv_cache and (
+                self.kv_cache != "int8" or self.value_cache not in _FLOAT_CACHE_DTYPES):
+            raise ValueError(f"value_cache: {self.value_cache!r} with a {self.kv_cache} K cache; "
+                             "only an int8 K cache takes a float V cache "
+                             f"{tuple(_FLOAT_CACHE_DTYPES)}")
+
+    @property
+    def value_kind(self) -> str:
+        """How V is stored: ``value_cache`` where given, else as K."""
+        return self.value_cache or self.kv_cache
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        return self.dtype or _FLOAT_CACHE_DTYPES.get(self.kv_cache, torch.float32)
+        return self.dtype or self.attention_dtype
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """dtype of q, k, v in attention: the float cache's (V's for an int8 K), else the
+        activation dtype (fp32 unless ``dtype`` says otherwise)."""
+        for kind in (self.kv_cache, self.value_kind):
+            if kind in _FLOAT_CACHE_DTYPES:
+                return _FLOAT_CACHE_DTYPES[kind]
+        return self.dtype or torch.float32
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """dtype of the K/V pages (int8 for a quantized cache)."""
-        return torch.int8 if self.kv_cache == "int8" else self.activation_dtype
+        """dtype of the K pages (int8 for a quantized cache)."""
+        return _kind_dtype(self.kv_cache, self.attention_dtype)
+
+    @property
+    def value_cache_dtype(self) -> torch.dtype:
+        """dtype of the V pages."""
+        return _kind_dtype(self.value_kind, self.attention_dtype)
+
+
+def _kind_dtype(kind: str, float_dtype: torch.dtype) -> torch.dtype:
+    return torch.int8 if kind == "int8" else float_dtype
 
 
 PRESETS: dict[str, DecoderConfig] = {
