@@ -49,7 +49,13 @@ def _block_table(graph: fx.Graph, site: PagedSite) -> tuple[fx.Node, int | fx.No
                                                                int | fx.Node]:
     """(block table [B, M], B, keys per sequence M * block_size), B the query batch."""
     table = site.index
-    if fake(table).dim() == 2:
+    gather = site.key.trace.gather
+    if gather.patched:  # the op reads the patched copy's rows in order
+        blocks = _size(graph, gather.source, 0)
+        table = graph.call_function(torch.arange, (blocks,),
+                                    {"dtype": torch.int32, "device": site.q_fake.device})
+        table = graph.call_method("unsqueeze", (table, 0))
+    elif fake(table).dim() == 2:
         blocks = _size(graph, table, 1)
     else:  # per-token slots of one packed sequence
         blocks = _size(graph, table, 0)

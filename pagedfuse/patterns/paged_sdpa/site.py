@@ -15,10 +15,10 @@ import torch.fx as fx
 
 from pagedfuse.graph.effects import same_value
 from pagedfuse.graph.layout import Layout, same_size, show
-from pagedfuse.graph.ops import fake
+from pagedfuse.graph.ops import describe, fake
 from pagedfuse.patterns.base import Match
 from pagedfuse.patterns.paged_sdpa.attention import Attention, read_attention
-from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, resolve, walk
+from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, read_patched, resolve, walk
 from pagedfuse.patterns.paged_sdpa.masks import MaskReading, read_mask
 
 WANT = "[batch, kv_head, block*slot, head_dim]"
@@ -152,11 +152,17 @@ def match_paged_sdpa(anchor: fx.Node) -> Match | str:
         trace = walk(operand, what)
         if isinstance(trace, str):
             return trace
+        trace = read_patched(trace, anchor)
         got = resolve(trace, fits)
         if isinstance(got, str):
             return f"{what}: {got}"
         resolved[what] = got
     key, value = resolved["key"], resolved["value"]
+    if bool(key.trace.gather.patched) != bool(value.trace.gather.patched):
+        written = key if key.trace.gather.patched else value
+        return (f"{describe(written.trace.gather.patched[0])} writes the gathered copy "
+                f"{written.trace.gather.node.name} of one of K/V only; the op reads both "
+                "through one table")
     index = key.trace.gather.index
     if not same_value(value.trace.gather.index, index):
         return (f"key and value are gathered with different indices ({index.name} vs "
@@ -186,5 +192,9 @@ def _describe(site: PagedSite) -> str:
     gather = k.trace.gather
     dequant = f", dequant x {k.trace.scale.gather.source.name}" if k.trace.scale else ""
     explicit = " (explicit matmul-softmax-matmul)" if site.attention.explicit else ""
+    if gather.patched:
+        return (f"{gather.spelling} on {k.view.name} cache {gather.cache.name} with "
+                f"{gather.index.name}: the op reads the patched copy {gather.node.name}"
+                f"{explicit}")
     return (f"{gather.spelling} on {k.view.name} cache {gather.source.name} with "
             f"{gather.index.name}{dequant}{explicit}")
