@@ -1,7 +1,7 @@
 """The built-in pattern: attention over K/V gathered from a paged (or flat slot) cache,
 spelled as SDPA or as the explicit matmul-softmax-matmul.
 
-attention reads an anchor as SDPA's arguments (its ``CHAIN`` of explicit steps), kv_trace
+attention reads an anchor as SDPA's arguments (the explicit spelling included), kv_trace
 walks K/V back to their gather (its ``GATHERS`` table), masks reads the mask as the op's
 lengths, causal and window (its ``POSITIONS``/``COMPARES``/``ADDITIVE`` tables), site
 assembles the match, preconditions holds the named checks, replace builds the op call,

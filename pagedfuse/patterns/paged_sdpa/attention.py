@@ -4,8 +4,8 @@ spelling read as them.
 The explicit spelling is ``matmul(p, v)`` where ``p`` is a softmax over the key dim (maybe in
 float32, cast back, maybe through dropout) of scores built from ``matmul(q, k^T)``: multiplied
 or divided by constant scales (on the scores or the query), maybe soft-capped as
-``c * tanh(s / c)`` (transformers' Gemma2), then with an additive mask. Every node of that
-chain is one ``CHAIN`` step; a step the spelling allows but the op cannot say (softmax over
+``c * tanh(s / c)`` (transformers' Gemma2), then with an additive mask. The chain is read
+backwards from the anchor; a step the spelling allows but the op cannot say (softmax over
 another dim, a scale after the softmax or after the cap, the mask added before the scale or
 the cap, a lossy cast) is read all the same and recorded as the ``problem`` the named checks
 report, so the site appears with a reason a user can act on.
