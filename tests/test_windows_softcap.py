@@ -1,6 +1,8 @@
 """The ops' options ``window_left`` and ``softcap``: their semantics against an independent
-float64 oracle, argument checks (eager and at trace time), opcheck, and how the kernel
-backends that do not implement them yet decline (the op then runs the reference).
+float64 oracle, argument checks (eager and at trace time), opcheck, how the kernel backends
+that do not implement them yet decline (the op then runs the reference), and the rewrite of
+sliding-window masks to window_left (held to eager with a stand-in for the window kernels;
+the soft cap's rewrite is in test_explicit_attention.py).
 
 The semantics: sequence b's query token t of q_len sits at position p = seq_len - q_len + t
 and, with ``window_left`` W, reads only keys j > p - W (with ``causal`` too: (p - W, p]);
@@ -13,6 +15,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import programs
+from helpers.backends import OPTIONS_STAND_IN, registered
 from helpers.cases import make_case
 from torch.library import opcheck
 
@@ -218,3 +223,125 @@ def test_reference_keyword_defaults_are_off():
                                          c["scale"], True, window_left=None, softcap=None)
     assert torch.equal(explicit, case.reference(dtype=torch.float32))
     assert get_backend("reference").supports(case.with_(window_left=2).call()) is None
+
+
+# --- the rewrite: sliding-window masks read as window_left ------------------------------------
+
+NEEDS_KERNELS = pytest.mark.xfail(strict=True, reason="needs the window/softcap kernels")
+
+
+def windowed(mask_fn):
+    """Paged attention whose mask ``mask_fn(q_len, keys, sl)`` is a sliding window."""
+
+    def fn(q, kc, vc, bt, sl, *rest):
+        k = kc[bt].flatten(1, 2).transpose(1, 2)
+        v = vc[bt].flatten(1, 2).transpose(1, 2)
+        mask = mask_fn(q.shape[2], k.shape[2], sl)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return fn
+
+
+W = 5
+
+
+def _bottom_right(q_len, keys, sl):  # causal and (p - j < W) at the op's positions
+    pos, q_pos = torch.arange(keys), torch.arange(q_len)[:, None] + (keys - q_len)
+    return (pos <= q_pos) & (q_pos - pos < W)
+
+
+def _additive_sum(q_len, keys, sl):  # the same as a sum of two 0/-inf masks
+    pos, q_pos = torch.arange(keys), torch.arange(q_len)[:, None] + (keys - q_len)
+    causal = torch.where(pos <= q_pos, 0.0, float("-inf"))
+    return causal + torch.where(pos > q_pos - W, 0.0, float("-inf"))
+
+
+def _top_left(q_len, keys, sl):  # queries at 0..q_len-1: another window, not the op's causal
+    pos, q_pos = torch.arange(keys), torch.arange(q_len)[:, None]
+    return (pos <= q_pos) & (q_pos - pos < W)
+
+
+def _decode_lengths(q_len, keys, sl):  # the last W keys of each sequence
+    pos = torch.arange(keys)
+    return ((pos < sl[:, None]) & (pos >= sl[:, None] - W))[:, None, None, :]
+
+
+def _causal_off_by_one(q_len, keys, sl):  # one future key visible: no causal term
+    pos, q_pos = torch.arange(keys), torch.arange(q_len)[:, None] + (keys - q_len)
+    return (pos <= q_pos + 1) & (q_pos - pos < W)
+
+
+# name: (mask, q_len, op's window_left, causal read, mask kept as attn_bias, sliced table)
+WINDOWS = {
+    "bottom-right": (_bottom_right, 4, W, True, False, False),
+    "square": (_bottom_right, 12, W, True, False, False),
+    "additive sum": (_additive_sum, 3, W, True, False, False),
+    "top-left": (_top_left, 3, 12 - 3 + W, False, True, False),
+    "decode lengths": (_decode_lengths, 1, W, False, True, False),
+    "decode lengths, sliced table": (_decode_lengths, 1, W, False, True, True),
+    "causal off by one": (_causal_off_by_one, 3, W, False, True, False),
+}
+
+
+def _window_case(q_len: int, sliced: bool) -> programs.Case:
+    case = programs.make_case(programs.Spec(), q_len=q_len, seed=q_len)
+    if sliced:  # lengths up to 12 over the first 2 blocks (8 keys): the mask clips them
+        case.bt = case.bt[:, :2]
+    return case
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_window_masks_are_read_and_held_to_eager(name):
+    """With a stand-in for the window kernels, each sliding-window mask is rewritten to the
+    op with window_left (and causal where the mask says it at the op's positions), and the
+    rewritten program equals eager; a mask the op's terms do not say entirely stays as
+    attn_bias, the window only a hint that skips keys it hides anyway."""
+    mask_fn, q_len, window, causal, bias, sliced = WINDOWS[name]
+    case = _window_case(q_len, sliced)
+    fn = windowed(mask_fn)
+    with registered(OPTIONS_STAND_IN):
+        capture, report, out = programs.compile_fn(fn, case.args())
+    assert report.num_rewritten == 1, str(report)
+    node = programs.op_node(capture)
+    assert node.kwargs == {"window_left": window}
+    assert node.args[7] is causal and (node.args[8] is not None) is bias
+    assert numerics.max_rel_err(out, fn(*case.args()), skip_nan_reference=True) < \
+        programs.TOL[torch.float32]
+    checks = {c.name: c.reason for c in report.sites[0].checks}
+    assert f"window_left {window}" in checks["window"]
+    assert ("as a hint" in checks["window"]) is bias
+
+
+def test_a_window_that_is_not_the_ops_stays_attn_bias():
+    """``p - j < W`` measured from lengths without a length term: the op's positions (from
+    the gathered keys) may be later than the mask's, so no window is read; the site is
+    rewritten with the mask as attn_bias alone."""
+    def mask_fn(q_len, keys, sl):
+        pos = torch.arange(keys)
+        return (pos >= sl[:, None] - W)[:, None, None, :]
+
+    case = _window_case(1, False)
+    fn = windowed(mask_fn)
+    capture, report, out = programs.compile_fn(fn, case.args())
+    assert report.num_rewritten == 1, str(report)
+    node = programs.op_node(capture)
+    assert node.kwargs == {} and node.args[8] is not None
+    checks = {c.name: c.reason for c in report.sites[0].checks}
+    assert checks["window"].startswith("no window read off the mask")
+    assert numerics.max_rel_err(out, fn(*case.args())) < 1e-4
+
+
+@NEEDS_KERNELS
+def test_window_site_is_rewritten():
+    case = _window_case(4, False)
+    _, report, _ = programs.compile_fn(windowed(_bottom_right), case.args())
+    assert report.num_rewritten == 1, str(report)
+
+
+def test_window_site_says_which_kernel_lacks_it():
+    case = _window_case(4, False)
+    capture, report, _ = programs.compile_fn(windowed(_bottom_right), case.args())
+    failed = report.sites[0].first_failure
+    assert failed.name == "kernel"
+    assert "cpu: window_left: not in the cpu kernel yet" in failed.reason
+    assert capture.count(*programs.PAGED) == 0

@@ -234,3 +234,16 @@ def compile_and_compare(spec: Spec, case: Case | None = None, **backend_kwargs):
     return capture, report, max_rel_err(got, want)
 
 
+def compile_fn(fn, args: tuple, **backend_kwargs):
+    """Compile ``fn`` with a capturing inner and run it on ``args``; (capture, the merged
+    report, the output)."""
+    torch._dynamo.reset()
+    capture = Capture()
+    pagedfuse.clear_reports()
+    out = torch.compile(fn, backend=pagedfuse.backend(inner=capture, **backend_kwargs))(*args)
+    return capture, pagedfuse.Report.merged(pagedfuse.reports()), out
+
+
+def op_node(capture: Capture) -> torch.fx.Node:
+    """The (first) pagedfuse op call in the captured graphs."""
+    return next(n for gm in capture.graphs for n in gm.graph.nodes if n.target in PAGED)
