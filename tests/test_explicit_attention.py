@@ -108,9 +108,10 @@ def test_a_single_kv_head_broadcast_by_matmul_is_gqa():
     assert max_rel_err(out, fn(*case.args())) < TOL[torch.float32]
 
 
-def test_the_mask_goes_as_attn_bias_with_a_nan_on_rows_it_hides_entirely():
-    """The explicit softmax gives a row with no visible key NaN (SDPA and the op: zeros);
-    the rewrite says so in the bias, so the rewritten program gives the same NaN rows."""
+def test_rows_the_mask_hides_entirely_are_nan_as_the_explicit_softmax_gives_them():
+    """The explicit softmax gives a row with no visible key NaN (SDPA and the op: zeros); the
+    replacement sets those rows of the op's output to NaN, so the rewritten program gives the
+    same NaN rows (the length mask itself becomes seq_lens)."""
     case = make_case(Spec(), q_len=2)
     case.sl[1] = 0  # sequence 1 sees no key
     outcome = differential(program("transformers"), case.args())
@@ -119,9 +120,9 @@ def test_the_mask_goes_as_attn_bias_with_a_nan_on_rows_it_hides_entirely():
     capture, report, out = compile_fn(program("transformers"), case.args())
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
     node = op_node(capture)
-    assert node.args[4].target is torch.full  # no lengths hint: the row must read its keys
+    assert node.args[4].target == "clamp" and node.args[8] is None
     masked_rows = next(c for c in report.sites[0].checks if c.name == "masked rows")
-    assert "NaN, as the explicit softmax gives it" in masked_rows.reason
+    assert "set to NaN after the op, as the explicit softmax gives it" in masked_rows.reason
 
 
 def _capped(q, k, v, mask, cap: float = 30.0):

@@ -46,9 +46,8 @@ class MaskReading:
     """What a mask says in the op's terms. ``exact``: seq_lens (None: every gathered key),
     causal and window_left say all of it, and the mask itself is dropped; otherwise it goes
     as attn_bias and ``seq_lens``/``window_left`` are hints (see the module docstring).
-    ``window_from_lengths``: the window is measured from seq_lens (a hint only together with
-    them). ``why_bias`` says why it stays a bias; ``nodes``: where eager reads seq_lens on
-    the way to the mask (for the write check)."""
+    ``why_bias`` says why it stays a bias; ``nodes``: where eager reads seq_lens on the way
+    to the mask (for the write check)."""
 
     seq_lens: fx.Node | None = None
     causal: bool = False
@@ -56,7 +55,6 @@ class MaskReading:
     exact: bool = False
     why_bias: str = ""
     nodes: frozenset[fx.Node] = frozenset()
-    window_from_lengths: bool = False
 
 
 @dataclass
@@ -431,5 +429,4 @@ def read_mask(mask: fx.Node, batch: object, q_len: object, keys: object) -> Mask
     else:
         why = "; ".join(dict.fromkeys(others))
     return MaskReading(lens if length else None, False, hint, False, why,
-                       conj.nodes | {mask} if length else frozenset(),
-                       hint is not None and window.base == "len")
+                       conj.nodes | {mask} if length else frozenset())

@@ -296,12 +296,12 @@ def _strides(match: Match) -> str | None:
 
 def _mask(match: Match) -> str | None:
     site = _site(match)
+    m = fake(site.mask)
+    if site.attention.explicit and m is not None and not m.dtype.is_floating_point:
+        return (f"{site.mask.name} is a {dtype_name(m.dtype)} tensor added to the scores (as "
+                "numbers), not a mask; the op would read it as one")
     if site.masking.bias != MASK_BIAS:
         return None
-    m = fake(site.mask)
-    if site.attention.explicit and m.dtype == torch.bool:
-        return (f"{site.mask.name} is a bool tensor added to the scores (as 0/1), not a mask; "
-                "the op would read it as one")
     if m.dtype != torch.bool and m.dtype not in FLOAT_DTYPES:
         return f"attn_mask is {dtype_name(m.dtype)}, neither bool nor a float bias"
     if not 2 <= m.dim() <= 4:
@@ -327,8 +327,8 @@ def _mask_passes(match: Match) -> str:
 
 def _masked_rows(match: Match) -> str | None:
     """The op gives a row with no visible key zeros; where a mask may hide every key of a
-    row, SDPA on this device must give zeros too (the explicit spelling's NaN rows go to the
-    op as a NaN in its bias)."""
+    row, SDPA on this device must give zeros too (the explicit spelling's NaN rows are set
+    after the op)."""
     site = _site(match)
     if site.mask is None or site.masking.nan_rows:
         return None
@@ -345,7 +345,8 @@ def _masked_rows_passes(match: Match) -> str:
     if site.mask is None:
         return "no mask: every row sees a key"
     if site.masking.nan_rows:
-        return "a row the mask hides entirely is NaN, as the explicit softmax gives it"
+        return ("a row the mask hides entirely is set to NaN after the op, as the explicit "
+                "softmax gives it")
     return f"SDPA on {site.q_fake.device.type} gives a fully masked row zeros, as the op does"
 
 

@@ -5,7 +5,7 @@ dim; caches are handed to the op as views (an HND cache transposed, a flat slot 
 block_size-1 dim), never copied. Where SDPA's semantics go beyond the op's arguments, the
 replacement says the same thing in the op's terms: a K/V batch of 1 broadcast over the
 queries is an expanded table, a length mask over fewer keys than its lengths is clamped, a
-row an explicit attention's mask hides entirely gets a NaN in the bias (its softmax is NaN).
+row an explicit attention's mask hides entirely is NaN in the output (its softmax is NaN).
 The op goes in right before the anchor (the SDPA call, or the explicit spelling's last
 matmul), where eager reads K/V last.
 """
@@ -81,15 +81,15 @@ def _masking(graph: fx.Graph, site: PagedSite, batch: int | fx.Node, keys: int |
         ones = graph.call_function(torch.ones, ((q_len, keys),),
                                    {"dtype": torch.bool, "device": device})
         return seq_lens, graph.call_method("tril", (ones,))
-    if masking.bias != MASK_BIAS:
-        return seq_lens, None
-    if not masking.nan_rows:
-        return seq_lens, site.mask
-    # a row whose every key the mask hides: -inf throughout, which the softmax makes NaN
+    return seq_lens, site.mask if masking.bias == MASK_BIAS else None
+
+
+def _nan_rows(graph: fx.Graph, site: PagedSite, out: fx.Node) -> fx.Node:
+    """``out`` with NaN on the rows whose every key the mask hides (-inf throughout), as the
+    explicit softmax gives them; the op gives them zeros."""
     row_max = graph.call_method("amax", (site.mask, -1), {"keepdim": True})
     hidden = graph.call_function(operator.eq, (row_max, -math.inf))
-    poison = graph.call_function(torch.where, (hidden, math.nan, 0.0))
-    return seq_lens, graph.call_function(operator.add, (site.mask, poison))
+    return graph.call_function(torch.where, (hidden, math.nan, out))
 
 
 def _caches(graph: fx.Graph, site: PagedSite) -> tuple:
@@ -130,4 +130,5 @@ def replace_paged_sdpa(graph: fx.Graph, match: Match) -> fx.Node:
                                        query_start_loc, scale, site.masking.causal, bias,
                                        keys, q_len), options)
         unpacked = graph.call_method("view_as", (out, q_bqhd))
-        return graph.call_method("transpose", (unpacked, 1, 2))
+        result = graph.call_method("transpose", (unpacked, 1, 2))
+        return _nan_rows(graph, site, result) if site.masking.nan_rows else result

@@ -32,7 +32,7 @@ class Masking:
     """The op's masking arguments for a site: ``seq_lens`` (None: every gathered key; a
     lengths node is clamped to them), ``causal``, ``window_left`` and which ``bias``.
     ``nan_rows``: the explicit softmax gives a row its mask hides entirely NaN (SDPA and the
-    op give zeros), so the bias carries a NaN on such rows."""
+    op give zeros), so the replacement sets such rows of the op's output to NaN."""
 
     seq_lens: fx.Node | None
     causal: bool
@@ -124,17 +124,13 @@ def _fits_transposed(layout: Layout) -> str | None:
 
 def _masking(attention: Attention, reading: MaskReading | None, q_len: object,
              keys: object) -> Masking:
-    """The explicit spelling always keeps its mask: where a mask hides a whole row its
-    softmax gives NaN, which only a bias can say to the op, and only on a row the op reads
-    keys for; so it takes no seq_lens hint (a row of length 0 would read none), nor a window
-    measured from them (a hint only together with them)."""
-    if reading is not None and attention.explicit is not None:
-        window = None if reading.window_from_lengths else reading.window_left
-        return Masking(None, False, window, MASK_BIAS, nan_rows=True)
+    nan_rows = attention.explicit is not None and reading is not None
     if reading is not None and reading.exact:
-        return Masking(reading.seq_lens, reading.causal, reading.window_left, NO_BIAS)
+        return Masking(reading.seq_lens, reading.causal, reading.window_left, NO_BIAS,
+                       nan_rows)
     if reading is not None:
-        return Masking(reading.seq_lens, attention.is_causal, reading.window_left, MASK_BIAS)
+        return Masking(reading.seq_lens, attention.is_causal, reading.window_left, MASK_BIAS,
+                       nan_rows)
     if attention.is_causal and not same_size(q_len, keys):
         return Masking(None, False, None, TOP_LEFT_CAUSAL)
     return Masking(None, attention.is_causal, None, NO_BIAS)
