@@ -423,10 +423,13 @@ def read_mask(mask: fx.Node, batch: object, q_len: object, keys: object) -> Mask
     if not terms:
         why = "; ".join(dict.fromkeys(others)) or "no term of it could be read"
         return MaskReading(why_bias=why)
-    if not others:
+    if others:
+        why = "; ".join(dict.fromkeys(others))
+    elif "len" in bases:
         why = ("its causal or window term is measured from the lengths, which may exceed the "
                "gathered keys, where the op's positions would stop at them")
     else:
-        why = "; ".join(dict.fromkeys(others))
+        why = ("its causal or window term is measured from all the gathered keys, the op's "
+               "positions under a length term from the lengths")
     return MaskReading(lens if length else None, False, hint, False, why,
                        conj.nodes | {mask} if length else frozenset())
