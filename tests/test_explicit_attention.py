@@ -283,3 +283,22 @@ def test_matmuls_that_are_not_attention_are_no_sites():
 
     _, report, _ = compile_fn(fn, make_case(Spec()).args())
     assert report.num_sites == 0
+
+
+def test_a_query_written_after_the_score_matmul_is_not_fused():
+    """Eager reads the query at the score matmul, the op at the last matmul: a write to the
+    query in between would reach the op only."""
+
+    def fn(q, kc, vc, bt, sl, *rest):
+        k, v = gathered(kc, vc, bt, q.shape[1] // kc.shape[2])
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.125 + length_mask(sl, k.shape[2],
+                                                                           q.dtype)
+        probs = torch.softmax(scores, dim=-1)
+        q.mul_(2.0)
+        return torch.matmul(probs, v)
+
+    case = make_case(Spec(), q_len=2)
+    outcome = differential(fn, case.args())
+    outcome.check()
+    failed = outcome.report.sites[0].first_failure
+    assert failed.name == "cache writes" and "mul_" in failed.reason, failed

@@ -68,14 +68,6 @@ def _softcap_passes(match: Match) -> str:
     return f"softcap {cap:g}: scores become {cap:g} * tanh(s / {cap:g}) after the scale"
 
 
-def _why_bias(site: PagedSite) -> str:
-    """Why the site's mask goes to the op as attn_bias."""
-    if site.mask_reading.exact:
-        return ("the explicit softmax gives a row the mask hides entirely NaN, which the op "
-                "says only through a bias")
-    return site.mask_reading.why_bias
-
-
 def _window_passes(match: Match) -> str:
     site = _site(match)
     m, reading = site.masking, site.mask_reading
@@ -85,7 +77,7 @@ def _window_passes(match: Match) -> str:
     if m.bias == NO_BIAS:
         return f"window_left {m.window_left}, read off the mask (which it replaces)"
     return (f"window_left {m.window_left} as a hint (only skips keys the mask hides); the "
-            f"mask stays attn_bias: {_why_bias(site)}")
+            f"mask stays attn_bias: {reading.why_bias}")
 
 
 def _chain_dtypes(r: Resolved) -> list[torch.dtype]:
@@ -322,7 +314,8 @@ def _mask_passes(match: Match) -> str:
             m.window_left is None else "mask"
         return f"{what} in the op's terms: {', '.join(s for s in said if s)}"
     hint = f"; seq_lens = {m.seq_lens.name} as a hint" if m.seq_lens is not None else ""
-    return f"attn_bias = {site.mask.name} (not a length mask: {_why_bias(site)}){hint}"
+    return f"attn_bias = {site.mask.name} (not a length mask: " \
+        f"{site.mask_reading.why_bias}){hint}"
 
 
 def _masked_rows(match: Match) -> str | None:

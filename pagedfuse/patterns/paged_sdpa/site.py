@@ -79,10 +79,13 @@ class PagedSite:
 
     def reads(self) -> set[fx.Node]:
         """The nodes eager evaluates from the caches, table, scales and lengths on the way to
-        the attention: eager reads those inputs there, the op only at the attention."""
+        the attention, and the explicit spelling's own (its score matmul reads the query, its
+        add the mask): eager reads those inputs there, the op only at the anchor."""
         found = self.key.trace.reads() | self.value.trace.reads()
         if self.masking.seq_lens is not None:
             found |= self.mask_reading.nodes
+        if self.attention.explicit is not None:
+            found |= self.attention.explicit.nodes - {self.anchor}
         return found
 
     def size(self, atom: str) -> object:
