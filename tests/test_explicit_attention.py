@@ -230,8 +230,9 @@ def _weights_returned(q, k, v, mask):
     return torch.matmul(probs, v), probs
 
 
-def _softmax_of_something_else(q, k, v, mask):
-    return torch.matmul(torch.softmax(mask.expand(-1, q.shape[1], q.shape[2], -1), -1), v)
+def _masked_fill_scores(q, k, v, mask):
+    scores = (torch.matmul(q, k.transpose(2, 3)) * 0.125).masked_fill(mask != 0, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 NEAR_MISSES = {
@@ -253,8 +254,8 @@ NEAR_MISSES = {
                            "runs in float16, below the float32 query"),
     "a bool tensor added": (_bool_added, "mask", "is a bool tensor added to the scores"),
     "the weights returned": (_weights_returned, "self-contained", "outside the attention"),
-    "a softmax of the mask": (_softmax_of_something_else, "match",
-                              "the scores reaching the softmax come from"),
+    "masked_fill on the scores": (_masked_fill_scores, "match",
+                                  "fills the scores in place of an additive mask"),
 }
 
 
@@ -279,7 +280,10 @@ def test_near_misses_stay_as_written(name):
 def test_matmuls_that_are_not_attention_are_no_sites():
     def fn(q, kc, vc, bt, sl, *rest):
         k, v = gathered(kc, vc, bt, q.shape[1] // kc.shape[2])
-        return torch.matmul(q, k.transpose(2, 3)).relu() @ v
+        not_softmax = torch.matmul(q, k.transpose(2, 3)).relu() @ v
+        router = torch.softmax(length_mask(sl, k.shape[2], q.dtype).expand(
+            -1, q.shape[1], q.shape[2], -1), -1) @ v  # a softmax of no scores
+        return not_softmax + router
 
     _, report, _ = compile_fn(fn, make_case(Spec()).args())
     assert report.num_sites == 0

@@ -65,11 +65,15 @@ class Attention:
 
 
 def is_attention_anchor(node: fx.Node) -> bool:
-    """An SDPA call, or a matmul whose left operand comes from a softmax (through casts,
-    dropout or scales): where the built-in pattern is tried."""
+    """An SDPA call, or a matmul whose left operand is a softmax (through casts, dropout or
+    scales) of scores from another matmul: where the built-in pattern is tried (a softmax of
+    anything else, e.g. a router's, is no attention site)."""
     if op_of(node) == SDPA:
         return True
-    return op_of(node) == "matmul" and _softmax_behind(arg(node, "input")) is not None
+    if op_of(node) != "matmul":
+        return False
+    found = _softmax_behind(arg(node, "input"))
+    return found is not None and _reaches_score_matmul(arg(found[0], "input"))
 
 
 def _softmax_behind(node: object) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -211,7 +215,7 @@ def _reaches_score_matmul(node: object, depth: int = 12) -> bool:
         if op == "add":
             return any(_reaches_score_matmul(a, depth - 1)
                        for a in (arg(node, "input"), arg(node, "other")))
-        if op not in ("cast", "mul", "div", "tanh", "contiguous"):
+        if op not in ("cast", "mul", "div", "tanh", "contiguous", "masked_fill"):
             return False
         node, depth = _tensor_operand(node), depth - 1
     return False
@@ -278,6 +282,9 @@ def _read_scores(r: _Reader, node: object, query_dtype: torch.dtype) -> fx.Node 
             r.later_than(2, node, "the scale")
             r.scale *= factor
             node = inner
+        elif op == "masked_fill":
+            return (f"{describe(node)} fills the scores in place of an additive mask; "
+                    "write scores + torch.where(keep, 0, -inf) for the op to take it")
         else:
             return (f"the scores reaching the softmax come from {describe(node)}, not from "
                     "matmul(q, k^T) through a scale, a soft cap and a mask")
