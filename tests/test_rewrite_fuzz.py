@@ -4,7 +4,10 @@ runs, the compiled program runs too, and either the site is kept with a reason o
 every input written in place and the gradients equal eager's (NaN == NaN).
 
 A program draws a spelling from the forms the pattern's tables accept (gathers, cache layouts,
-views, GQA expansions, dequant orders, mask forms, scales, dtypes), random small shapes, and
+views, GQA expansions, dequant orders, mask forms among them sliding windows, scales, dtypes,
+SDPA or the explicit matmul-softmax-matmul with or without a soft cap; programs using a window
+or a cap run with helpers.backends.OPTIONS_STAND_IN half the time, so their rewrite is held
+to eager before the kernels exist), random small shapes, and
 hazards from the classes of issue 20: writes in every form (in-place method, ``operator.i*``,
 ``out=``, setitem, copy_, through narrow/select/unbind/as_strided views or the stacked base, a
 ``mutates_args`` custom op) to the caches, table, lengths or scales at every point of the
@@ -19,6 +22,7 @@ program i depends on (seed, i) alone, and ``PAGEDFUSE_FUZZ_ONLY=i`` reruns just 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -28,11 +32,19 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.backends import OPTIONS_STAND_IN, registered
 from helpers.differential import INT8_TOLERANCE, differential
-from helpers.programs import Spec, dequant, expand_heads, gather_pages, to_bhld
+from helpers.programs import (
+    Spec,
+    dequant,
+    expand_heads,
+    explicit_attention,
+    gather_pages,
+    to_bhld,
+)
 
 from pagedfuse.patterns.paged_sdpa.kv_trace import GATHERS
-from pagedfuse.patterns.paged_sdpa.masks import ADDITIVE, COMPARES
+from pagedfuse.patterns.paged_sdpa.masks import ADDITIVE, COMPARES, POSITIONS
 
 PROGRAMS = int(os.environ.get("PAGEDFUSE_FUZZ_PROGRAMS", "300"))
 SEED = int(os.environ.get("PAGEDFUSE_FUZZ_SEED", "0"))
@@ -122,12 +134,19 @@ WRITE_POINTS = ("start", "between_gathers", "after_gathers", "after_mask", "end"
 GATHER_SPELLINGS = {"getitem": "getitem", "getitem_slices": "getitem",
                     "index_select": "index_select", "torch_gather": "gather",
                     "take_along_dim": "take_along_dim", "take": "take"}
-COMPARE_SPELLINGS = {"lt": ("lt",), "gt": ("gt",), "not_ge": ("ge", "logical_not")}
+COMPARE_SPELLINGS = {"lt": ("lt",), "gt": ("gt",), "not_ge": ("ge", "logical_not"),
+                     "le_minus_one": ("le",)}
 MASKS = ("none", "bool", "where", "where_inverted", "masked_fill", "where_min", "offbyone",
-         "alibi", "host_bias", "causal")
+         "alibi", "host_bias", "causal", "window", "sliding", "sliding_le", "sliding_topleft",
+         "sliding_offbyone")
 MASK_FORMS = {"where": ("where",), "where_inverted": ("where",),
               "masked_fill": ("masked_fill", "logical_not"), "where_min": ("where",),
-              "offbyone": ("where",), "alibi": ("where",)}
+              "offbyone": ("where",), "alibi": ("where", "add"),
+              "window": ("logical_and", "ge"), "sliding": ("logical_and", "le", "lt"),
+              "sliding_le": ("logical_and", "le")}
+# Position arithmetic the mask forms above use (arange, + a constant, - , * -1).
+POSITION_FORMS = {"sliding": ("arange", "add", "sub"), "window": ("sub",),
+                  "sliding_offbyone": ("neg", "mul")}
 
 
 @dataclass(frozen=True)
@@ -158,6 +177,8 @@ class Program:
     grad: str  # none | query | bias | enable_grad | no_grad
     padding: str  # none | kv_batch1 | sliced_table | empty_seq | long_prefill | minus_one
     writes: tuple[Write, ...] = field(default=())
+    window: int = 3  # of the window/sliding masks
+    stand_in: bool = False  # run with OPTIONS_STAND_IN (kernels for window_left/softcap)
 
     @property
     def gathered_blocks(self) -> int:
@@ -187,9 +208,11 @@ def generate(index: int, seed: int = SEED) -> Program:
         rng, ("to_mul", "promote", "scale_first", "float_then_to"))
     if kv == "int8_k":
         dequant_form = "to_mul_fp_value"
+    spelling = _pick(rng, ("sdpa", "explicit"), (2, 1))
     spec = Spec(gather=gather, layout=layout, view=_pick(rng, ("flatten", "permute")),
                 gqa=gqa, dequant=dequant_form, mask=_pick(rng, MASKS),
-                scale=_pick(rng, ("default", "float")), dtype=dtype)
+                scale=_pick(rng, ("default", "float")), dtype=dtype, spelling=spelling,
+                softcap=_pick(rng, (None, 0.7, 30.0)) if spelling == "explicit" else None)
     hkv = _pick(rng, (1, 2))
     group = 1 if gqa == "mha" else _pick(rng, (1, 2, 4))
     q_len = _pick(rng, (1, 1, 2, 3))
@@ -209,7 +232,7 @@ def generate(index: int, seed: int = SEED) -> Program:
         blocks = max(blocks, 2)
     if padding == "long_prefill":
         q_len = 3
-    if spec.mask == "causal" and rng.random() < 0.5:
+    if spec.mask in ("causal", "sliding", "sliding_le") and rng.random() < 0.5:
         q_len = blocks * block_size  # square: the op's own causal flag
     if q_len > (blocks - (padding == "sliced_table")) * block_size and not SHORT_SEQUENCES:
         q_len = 1
@@ -240,7 +263,8 @@ def generate(index: int, seed: int = SEED) -> Program:
         table_dtype=torch.int64 if gather == "take" else _pick(rng, (torch.int64, torch.int32)),
         compare=_pick(rng, tuple(COMPARE_SPELLINGS)),
         per_gather_index=hazardous and rng.random() < 0.2, stacked=stacked,
-        dtype_view=dtype_view, grad=grad, padding=padding, writes=tuple(writes))
+        dtype_view=dtype_view, grad=grad, padding=padding, writes=tuple(writes),
+        window=rng.randint(1, blocks * block_size + 1), stand_in=rng.random() < 0.5)
 
 
 def make_inputs(p: Program) -> tuple:
@@ -291,7 +315,23 @@ def _valid(p: Program, keys: int, sl: torch.Tensor) -> torch.Tensor:
         return pos < sl[:, None]
     if p.compare == "gt":
         return sl[:, None] > pos
+    if p.compare == "le_minus_one":
+        return pos <= sl[:, None] - 1
     return ~(pos >= sl[:, None])
+
+
+def _sliding(p: Program, q_len: int, keys: int) -> torch.Tensor:
+    """[q_len, keys]: causal and a window over positions; the queries are the last q_len
+    positions (the op's), or the first ones (top-left, another window and no causal)."""
+    pos = torch.arange(keys)
+    kind = p.spec.mask
+    q_pos = torch.arange(q_len)[:, None] + (0 if kind == "sliding_topleft" else keys - q_len)
+    causal = pos[None, :] <= q_pos
+    if kind == "sliding_le":
+        return causal & (q_pos - pos[None, :] <= p.window - 1)
+    if kind == "sliding_offbyone":  # -(j - p) * 1 <= W: one key more than a W window
+        return causal & (-(pos[None, :] - q_pos) * 1 <= p.window)
+    return causal & (q_pos - pos[None, :] < p.window)
 
 
 def _mask(p: Program, keys: int, sl: torch.Tensor, bias: torch.Tensor,
@@ -312,6 +352,10 @@ def _mask(p: Program, keys: int, sl: torch.Tensor, bias: torch.Tensor,
         mask = torch.where(torch.arange(keys) <= sl[:, None], 0.0, -math.inf).to(dtype)
     elif kind == "alibi":
         return bias + torch.where(valid, 0.0, -math.inf)[:, None, None, :].to(dtype)
+    elif kind == "window":  # the last `window` keys of each sequence
+        mask = valid & (torch.arange(keys) >= sl[:, None] - p.window)
+    elif kind.startswith("sliding"):
+        return _sliding(p, bias.shape[-2], keys)
     else:
         return bias if kind == "host_bias" else None
     return mask[:, None, None, :]
@@ -365,9 +409,16 @@ def build(p: Program):
         k, v = expand_heads(spec, k, group), expand_heads(spec, v, group)
         mask = _mask(p, k.shape[2], sl, bias, q.dtype)
         write("after_mask", tensors)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=spec.mask == "causal",
-            scale=0.3 if spec.scale == "float" else None, enable_gqa=spec.gqa == "enable_gqa")
+        scale = 0.3 if spec.scale == "float" else None
+        if spec.spelling == "explicit":
+            if spec.mask == "causal":
+                mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(
+                    k.shape[2] - q.shape[2])
+            out = explicit_attention(q, k, v, mask, scale, spec.softcap, 0.0)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=spec.mask == "causal", scale=scale,
+                enable_gqa=spec.gqa == "enable_gqa")
         write("end", tensors)
         return out
 
@@ -385,10 +436,12 @@ def run(p: Program):
     fn, args = build(p), make_inputs(p)
     tolerance = INT8_TOLERANCE if p.kv != "float" else None
     backward = p.grad in ("query", "bias", "enable_grad")
-    if p.grad in ("enable_grad", "no_grad"):
-        with torch.no_grad():
-            return differential(fn, args, tolerance=tolerance, backward=backward)
-    return differential(fn, args, tolerance=tolerance, backward=backward)
+    with contextlib.ExitStack() as stack:
+        if p.stand_in:
+            stack.enter_context(registered(OPTIONS_STAND_IN))
+        if p.grad in ("enable_grad", "no_grad"):
+            stack.enter_context(torch.no_grad())
+        return differential(fn, args, tolerance=tolerance, backward=backward)
 
 
 def test_programs_are_drawn_from_every_form_the_pattern_accepts():
@@ -396,9 +449,12 @@ def test_programs_are_drawn_from_every_form_the_pattern_accepts():
     assert set(GATHER_SPELLINGS.values()) == set(GATHERS)
     mask_ops = {op for ops in (*COMPARE_SPELLINGS.values(), *MASK_FORMS.values()) for op in ops}
     assert mask_ops == set(COMPARES) | set(ADDITIVE)
+    assert {op for ops in POSITION_FORMS.values() for op in ops} == set(POSITIONS)
     drawn = [generate(i) for i in range(PROGRAMS)]
     assert {p.spec.gather for p in drawn} == set(GATHER_SPELLINGS)
     assert {p.spec.mask for p in drawn} == set(MASKS)
+    assert {(p.spec.spelling, p.spec.softcap is not None) for p in drawn} == {
+        ("sdpa", False), ("explicit", False), ("explicit", True)}
     assert {w.form for p in drawn for w in p.writes} == set(WRITE_FORMS) | {"base"}
     assert {w.point for p in drawn for w in p.writes} == set(WRITE_POINTS)
 

@@ -86,6 +86,8 @@ def written_args(node: fx.Node) -> list[object] | None:
             return None
         if target in _IN_PLACE_OPERATORS:
             return [node.args[0]]
+        if getattr(target, "__module__", None) in ("operator", "_operator"):
+            return []  # the in-place ones are above; ``and_`` and ``or_`` only look like them
         if not _known_torch_callable(target):
             return None
         name = getattr(target, "__name__", "")

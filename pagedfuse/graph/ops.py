@@ -51,6 +51,11 @@ def _reinterprets_dtype(node: fx.Node) -> bool:
     return any(isinstance(a, torch.dtype) for a in (*node.args[1:2], node.kwargs.get("dtype")))
 
 
+def _true_division(node: fx.Node) -> bool:
+    """``torch.div`` with a rounding mode is not a division by a scale."""
+    return node.kwargs.get("rounding_mode") is None and len(node.args) <= 2
+
+
 _BINARY = ("input", "other")
 for _form in (
     OpForm(SDPA, (torch.nn.functional.scaled_dot_product_attention,
@@ -65,18 +70,33 @@ for _form in (
     OpForm("take_along_dim", (torch.take_along_dim,), ("take_along_dim",),
            ("input", "indices", "dim")),
     OpForm("take", (torch.take,), ("take",), ("input", "index")),
-    OpForm("cast", methods=("to", "type", "float", "half", "bfloat16", "double", "long",
-                            "int")),
+    OpForm("cast", methods=("to", "type", "type_as", "float", "half", "bfloat16", "double",
+                            "long", "int")),
     OpForm("mul", (operator.mul, torch.mul), ("mul", "__mul__", "__rmul__"), _BINARY),
+    OpForm("div", (operator.truediv, torch.div, torch.true_divide),
+           ("div", "true_divide", "__truediv__"), _BINARY, when=_true_division),
     OpForm("add", (operator.add, torch.add), ("add", "__add__", "__radd__"), _BINARY),
+    OpForm("sub", (operator.sub, torch.sub), ("sub", "__sub__"), _BINARY),
+    OpForm("neg", (operator.neg, torch.neg), ("neg", "__neg__")),
     OpForm("lt", (operator.lt, torch.lt), ("lt", "__lt__"), _BINARY),
+    OpForm("le", (operator.le, torch.le), ("le", "__le__"), _BINARY),
     OpForm("gt", (operator.gt, torch.gt), ("gt", "__gt__"), _BINARY),
     OpForm("ge", (operator.ge, torch.ge), ("ge", "__ge__"), _BINARY),
     OpForm("logical_not", (operator.invert, torch.logical_not, torch.bitwise_not),
            ("logical_not", "bitwise_not", "__invert__")),
+    OpForm("logical_and", (operator.and_, torch.logical_and, torch.bitwise_and),
+           ("logical_and", "bitwise_and", "__and__"), _BINARY),
     OpForm("where", (torch.where,), signature=("condition", "input", "other")),
     OpForm("masked_fill", (torch.masked_fill,), ("masked_fill",), ("input", "mask", "value")),
     OpForm("arange", (torch.arange,), signature=("end",)),
+    OpForm("matmul", (operator.matmul, torch.matmul), ("matmul", "__matmul__"), _BINARY),
+    # The dtype argument sits at different positions in F.softmax and torch.softmax; what it
+    # did is read off the output's fake dtype instead.
+    OpForm("softmax", (torch.nn.functional.softmax, torch.softmax, torch.special.softmax),
+           ("softmax",), ("input", "dim")),
+    OpForm("tanh", (torch.tanh, torch.nn.functional.tanh), ("tanh",)),
+    OpForm("dropout", (torch.nn.functional.dropout, torch.dropout),
+           signature=("input", "p", "training")),
     OpForm("zeros", (torch.zeros,), ("new_zeros",), ("size",)),
     OpForm("zeros_like", (torch.zeros_like,)),
     OpForm("full", (torch.full,), signature=("size", "fill_value")),

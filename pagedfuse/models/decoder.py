@@ -1,6 +1,7 @@
 """A small Llama-style decoder whose attention over the paged cache is plain PyTorch: write the
 new K/V by slot, gather all pages through the block table, mask, then
-``F.scaled_dot_product_attention``. This is the code pagedfuse rewrites."""
+``F.scaled_dot_product_attention`` (with a soft cap, which SDPA has not, the explicit
+matmul-softmax-matmul Gemma2's eager code writes). This is the code pagedfuse rewrites."""
 
 from __future__ import annotations
 
@@ -47,6 +48,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """Geometric per-head slopes 2^(-8 h / H), h = 1..H (the ALiBi paper's sequence)."""
     return 2.0 ** (-8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Attention of q [B, Hq, S, D] over k, v [B, Hkv, L, D] with scores cap * tanh(s / cap)
+    (after the 1/sqrt(D) scale, before ``mask``: bool, or additive), softmax in float32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / cap) * cap
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+    probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
@@ -97,15 +112,25 @@ class PagedAttention(nn.Module):
                  v.reshape(batch * seq, cfg.num_kv_heads, cfg.head_dim), cfg)
         keys, values = gather_kv(cache, block_table, attn_dtype, cfg)
         key_pos = torch.arange(block_table.shape[1] * cfg.block_size, device=x.device)
-        if seq == 1:  # decode: a pure length mask, [B, 1, 1, L]
-            visible = (key_pos < seq_lens[:, None])[:, None, None, :]
-        else:  # prefill: bottom-right causal and length, [B, 1, S, L]
+        window = cfg.sliding_window
+        if seq == 1:  # decode: a length mask (and the window's start), [B, 1, 1, L]
+            visible = key_pos < seq_lens[:, None]
+            if window is not None:
+                visible = visible & (key_pos >= seq_lens[:, None] - window)
+            visible = visible[:, None, None, :]
+        else:  # prefill: bottom-right causal and length (and the window), [B, 1, S, L]
             visible = ((key_pos[None, None, :] <= positions[:, :, None])
-                       & (key_pos < seq_lens[:, None])[:, None, :])[:, None]
+                       & (key_pos < seq_lens[:, None])[:, None, :])
+            if window is not None:
+                visible = visible & (positions[:, :, None] - key_pos < window)
+            visible = visible[:, None]
         mask = alibi_bias(self.slopes, positions, key_pos, visible, attn_dtype) if cfg.alibi \
             else visible
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=True)
+        if cfg.softcap is not None:
+            out = softcapped_attention(q.transpose(1, 2), keys, values, mask, cfg.softcap)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         return self.o_proj(out if attn_dtype == x.dtype else out.to(x.dtype))
 

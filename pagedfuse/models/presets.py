@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,9 @@ class DecoderConfig:
     block_size, D]. ``dtype`` is the dtype of the weights and activations; None derives it from
     a float cache or fp32 for int8. Attention runs in the float cache's dtype (the fused op
     needs cache and query in one dtype), so fp32 weights over a bf16 cache cast q, k, v to
-    bf16 and the attention output back."""
+    bf16 and the attention output back.
+    ``sliding_window``: a query sees the last that many keys, itself included (None: all);
+    ``softcap``: attention scores become softcap * tanh(score / softcap) (None: off)."""
 
     num_q_heads: int
     num_kv_heads: int
@@ -39,6 +42,8 @@ class DecoderConfig:
     block_size: int = 16
     dtype: torch.dtype | None = None
     norm_eps: float = 1e-6
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHE_KINDS:
@@ -50,6 +55,10 @@ class DecoderConfig:
                              f"num_kv_heads {self.num_kv_heads}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be None or >= 1, got {self.sliding_window}")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap: must be None or a finite float > 0, got {self.softcap}")
         if self.value_cache is not None and self.value_cache != self.kv_cache and (
                 self.kv_cache != "int8" or self.value_cache not in _FLOAT_CACHE_DTYPES):
             raise ValueError(f"value_cache: {self.value_cache!r} with a {self.kv_cache} K cache; "
@@ -94,10 +103,20 @@ PRESETS: dict[str, DecoderConfig] = {
     "tinyllama": DecoderConfig(num_q_heads=32, num_kv_heads=4, head_dim=64),
     "llama3": DecoderConfig(num_q_heads=32, num_kv_heads=8, head_dim=128),
 }
+# Presets with a sliding window and a soft cap (Gemma2-9B's attention: 16 query heads over
+# 8 KV heads of 256, window 4096, scores capped at 50; here every layer slides). They stay
+# out of PRESETS, which the demo sweeps and tests hold to full rewrites and to the dense
+# reference, until the kernels take window_left and softcap (the rewrite keeps such sites
+# until then) and the dense reference applies both.
+WINDOWED_PRESETS: dict[str, DecoderConfig] = {
+    "gemma2": DecoderConfig(num_q_heads=16, num_kv_heads=8, head_dim=256, sliding_window=4096,
+                            softcap=50.0),
+}
 
 
 def preset(name: str, **overrides: object) -> DecoderConfig:
     """The named preset with fields replaced, e.g. ``preset("llama3", kv_cache="int8")``."""
-    if name not in PRESETS:
-        raise ValueError(f"preset: {name!r} not in {tuple(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    known = PRESETS | WINDOWED_PRESETS
+    if name not in known:
+        raise ValueError(f"preset: {name!r} not in {tuple(known)}")
+    return dataclasses.replace(known[name], **overrides)

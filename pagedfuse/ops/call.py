@@ -49,6 +49,9 @@ class PagedCall(NamedTuple):
     ``key_scale`` is None for the float op; ``value_scale`` is None unless the value cache is
     int8. ``max_seq_len`` / ``max_query_len`` are optional upper bounds the caller knows
     (the rewrite fills them in); the properties below fall back to shape bounds without them.
+    ``window_left`` (keys a query reaches back, itself included) and ``softcap`` (scores
+    become softcap * tanh(score / softcap)) are None when off; they follow the geometry so
+    that a record written positionally before they existed still builds.
     A NamedTuple rather than a frozen dataclass: it is built on every eager call, and a
     tuple builds in a fifth of the time.
     """
@@ -68,6 +71,8 @@ class PagedCall(NamedTuple):
     max_seq_len: int | None
     max_query_len: int | None
     geometry: Geometry
+    window_left: int | None = None
+    softcap: float | None = None
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +110,23 @@ class PagedCall(NamedTuple):
     def decode(self) -> bool:
         """At most one query token per sequence, known from the hint or the shapes."""
         return self.query_bound <= 1
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The optional semantics this call switches on, by argument name."""
+        return tuple(name for name in OPTIONS if getattr(self, name) is not None)
+
+
+# Optional semantics a kernel may not implement yet (it declines calls that use them).
+OPTIONS = ("window_left", "softcap")
+
+
+def options_missing(call: PagedCall, kernel: str,
+                    implemented: tuple[str, ...] = ()) -> str | None:
+    """A backend's ``supports`` answer for the options its ``kernel`` lacks: None when the
+    call uses only ``implemented`` ones, else e.g. "window_left: not in the cpu kernel yet"."""
+    missing = [name for name in call.options if name not in implemented]
+    return f"{', '.join(missing)}: not in the {kernel} kernel yet" if missing else None
 
 
 def next_power_of_2(n: int) -> int:

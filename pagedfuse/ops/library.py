@@ -10,6 +10,12 @@ guard on every call) cost more than the rest of an eager call together. What cus
 added is here explicitly: the pt2_compliant tag, a fake impl, and an Autograd kernel that
 lets a call that needs gradients fail at backward. The schemas are inferred from the typed
 signatures below, so this module does not use ``from __future__ import annotations``.
+
+``window_left`` and ``softcap`` are keyword-only: the dispatcher hands them to a kernel as
+keyword arguments (and leaves out those at their default), so every kernel here takes
+``**options``. Where no kernel of the device implements one yet, the pure-torch reference
+runs the call: the op's contract holds on every device, only the speed differs (the
+rewrite's ``kernel`` check never fuses such a site).
 """
 
 from collections.abc import Callable
@@ -17,8 +23,9 @@ from collections.abc import Callable
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from pagedfuse.ops.backends import choose, quantize_kernel
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP
+from pagedfuse import envs
+from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
 from pagedfuse.ops.validate import (
     build_call,
     check_metadata,
@@ -36,20 +43,33 @@ _PLAIN = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU,
                                                               DispatchKey.CUDA))
 
 
+def _backend(call: PagedCall) -> Backend:
+    """The registry's choice; for a call using an option no kernel of its device implements
+    yet (and no backend forced), the reference."""
+    try:
+        return choose(call)
+    except ValueError:
+        if not call.options or envs.PAGEDFUSE_BACKEND is not None:
+            raise
+        return get_backend("reference")
+
+
 def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
          key_scale: Tensor | None, value_scale: Tensor | None, block_table: Tensor,
          seq_lens: Tensor, query_start_loc: Tensor, scale: float, causal: bool,
          attn_bias: Tensor | None, max_seq_len: int | None,
-         max_query_len: int | None) -> Tensor:
+         max_query_len: int | None, window_left: int | None = None,
+         softcap: float | None = None) -> Tensor:
     call = build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
                       seq_lens, query_start_loc, float(scale), bool(causal), attn_bias,
-                      max_seq_len, max_query_len)
+                      max_seq_len, max_query_len, window_left=window_left,
+                      softcap=None if softcap is None else float(softcap))
     if value_checks_enabled(query.device):
         check_values(call.geometry, block_table, seq_lens, query_start_loc, attn_bias,
                      max_seq_len, max_query_len)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if out.numel():
-        choose(call).run(call, out, None)
+        _backend(call).run(call, out, None)
     return out
 
 
@@ -65,10 +85,16 @@ def _paged_attention(
     attn_bias: Tensor | None = None,
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
+    *,
+    window_left: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Attention of packed queries [T, Hq, D] over a paged float KV cache (see DESIGN.md)."""
+    """Attention of packed queries [T, Hq, D] over a paged float KV cache (see DESIGN.md).
+    ``window_left``: a query at position p reads keys j > p - window_left only;
+    ``softcap``: scaled scores s become softcap * tanh(s / softcap) before attn_bias."""
     return _run(FLOAT_OP, query, key_cache, value_cache, None, None, block_table, seq_lens,
-                query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len)
+                query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len,
+                window_left, softcap)
 
 
 def _paged_attention_int8(
@@ -85,11 +111,15 @@ def _paged_attention_int8(
     attn_bias: Tensor | None = None,
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
+    *,
+    window_left: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Paged attention over an INT8 K cache (per-token, per-KV-head scales); V int8 or float."""
+    """Paged attention over an INT8 K cache (per-token, per-KV-head scales); V int8 or float.
+    ``window_left`` and ``softcap`` as for paged_attention."""
     return _run(INT8_OP, query, key_cache, value_cache, key_scale, value_scale, block_table,
                 seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                max_query_len)
+                max_query_len, window_left, softcap)
 
 
 def _quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,17 +129,21 @@ def _quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _paged_attention_fake(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                          scale, causal, attn_bias=None, max_seq_len=None, max_query_len=None):
+                          scale, causal, attn_bias=None, max_seq_len=None, max_query_len=None,
+                          *, window_left=None, softcap=None):
     check_metadata(FLOAT_OP, query, key_cache, value_cache, block_table, seq_lens,
-                   query_start_loc, scale, attn_bias, fake=True)
+                   query_start_loc, scale, attn_bias, fake=True, window_left=window_left,
+                   softcap=softcap)
     return query.new_empty(query.shape)
 
 
 def _paged_attention_int8_fake(query, key_cache, value_cache, key_scale, value_scale,
                                block_table, seq_lens, query_start_loc, scale, causal,
-                               attn_bias=None, max_seq_len=None, max_query_len=None):
+                               attn_bias=None, max_seq_len=None, max_query_len=None, *,
+                               window_left=None, softcap=None):
     check_metadata(INT8_OP, query, key_cache, value_cache, block_table, seq_lens,
-                   query_start_loc, scale, attn_bias, key_scale, value_scale, fake=True)
+                   query_start_loc, scale, attn_bias, key_scale, value_scale, fake=True,
+                   window_left=window_left, softcap=softcap)
     return query.new_empty(query.shape)
 
 
@@ -123,10 +157,10 @@ class _NoBackward(torch.autograd.Function):
     have no gradient formula (the rewrite keeps such sites as written)."""
 
     @staticmethod
-    def forward(ctx, op, keyset, *args):
+    def forward(ctx, op, keyset, options, *args):
         ctx.op_name = op.name()
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset, *args)
+            return op.redispatch(keyset, *args, **options)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -139,14 +173,14 @@ def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
     requiring grad) it calls the implementation itself, which is what the redispatch below
     Autograd would reach, without a second round of argument conversion."""
 
-    def kernel(keyset, *args):
+    def kernel(keyset, *args, **options):
         below = keyset & _AFTER_AUTOGRAD
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _NoBackward.apply(op, below, *args)
+            return _NoBackward.apply(op, below, options, *args)
         if below.raw_repr() in _PLAIN:
-            return impl(*args)
+            return impl(*args, **options)
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(below, *args)
+            return op.redispatch(below, *args, **options)
 
     return kernel
 

@@ -47,16 +47,21 @@ def paged_attention_reference(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    window_left: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention as DESIGN.md defines it; with ``key_scale`` it is the INT8 variant.
 
-    Sequence b's query token t (of q_len) sits at position seq_len - q_len + t, which may be
-    negative, and reads keys j < seq_len, with ``causal`` only j <= its position. Over the
-    keys it reads, a row is eager SDPA with ``attn_bias`` as the mask (a bool False adds
-    -inf): a NaN or +inf score makes the row NaN, a row whose scores are all -inf (or that
-    reads no key) gets weights 0, and V enters as sum_j w_j v_j in IEEE arithmetic (so a
-    weight-0 key with a NaN or Inf in V makes that column NaN). Keys a row does not read
-    never reach it. Negative block ids wrap, as ``cache[block_table]`` does.
+    Sequence b's query token t (of q_len) sits at position p = seq_len - q_len + t, which may
+    be negative, and reads keys j < seq_len, with ``causal`` only j <= p, with
+    ``window_left`` only j > p - window_left (so causal and a window read (p - window_left,
+    p]). A score is q.k * scale, then with ``softcap`` softcap * tanh(score / softcap) (the
+    order of transformers' Gemma2), then ``attn_bias`` is added. Over the keys it reads, a
+    row is eager SDPA with ``attn_bias`` as the mask (a bool False adds -inf): a NaN or +inf
+    score makes the row NaN, a row whose scores are all -inf (or that reads no key) gets
+    weights 0, and V enters as sum_j w_j v_j in IEEE arithmetic (so a weight-0 key with a NaN
+    or Inf in V makes that column NaN). Keys a row does not read never reach it. Negative
+    block ids wrap, as ``cache[block_table]`` does.
 
     INT8: the query is quantized per token and head, scores are the exact integer dot
     products times q_scale * k_scale * scale; V is dequantized with ``value_scale`` if given.
@@ -86,12 +91,14 @@ def paged_attention_reference(
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q.to(compute_dtype), k) * scale  # [Hq, n, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         if attn_bias is not None:
             bias = _bias_slice(attn_bias, b, n, length)
             if bias.dtype == torch.bool:  # additive, as SDPA applies it: NaN stays NaN
                 bias = torch.where(bias, 0.0, float("-inf"))
             scores = scores + bias.to(compute_dtype)
-        reads = _keys_read(n, length, causal, query.device)  # [n, L]
+        reads = _keys_read(n, length, causal, window_left, query.device)  # [n, L]
         scores = scores.masked_fill(~reads, float("-inf"))
         poisoned = (scores.isnan() | (scores == float("inf"))).any(dim=-1, keepdim=True)
         row_max = scores.amax(dim=-1, keepdim=True)
@@ -103,12 +110,17 @@ def paged_attention_reference(
     return out.to(query.dtype)
 
 
-def _keys_read(n: int, length: int, causal: bool, device: torch.device) -> torch.Tensor:
+def _keys_read(n: int, length: int, causal: bool, window_left: int | None,
+               device: torch.device) -> torch.Tensor:
     """[n, length] bool: which keys each of a sequence's n query rows reads."""
     cols = torch.arange(length, device=device)[None, :]
-    if not causal:
-        return cols >= 0
-    return cols <= torch.arange(n, device=device)[:, None] + (length - n)
+    positions = torch.arange(n, device=device)[:, None] + (length - n)
+    reads = cols.expand(n, length) >= 0
+    if causal:
+        reads = reads & (cols <= positions)
+    if window_left is not None:
+        reads = reads & (cols > positions - window_left)
+    return reads
 
 
 def _weighted_values(probs: torch.Tensor, v: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:

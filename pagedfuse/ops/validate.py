@@ -123,11 +123,14 @@ _VERDICTS: dict[tuple, tuple[Geometry, tuple[tuple[int, str, int], ...]]] = {}
 _VERDICT_LIMIT = 4096
 
 
-def _signature(op: str, tensors: tuple, scale: float) -> tuple | None:
+def _signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     """What check_metadata's verdict depends on, except data pointers (the registry's
-    generation stands for the head dims its backends serve); None for a non-tensor."""
+    generation stands for the head dims its backends serve); None for a non-tensor. The
+    scalars (scale, window_left, softcap) are part of it, so the one Geometry per signature
+    also tells apart calls a backend may take or decline by them (the registry's cache of
+    its choice is keyed on the Geometry)."""
     try:
-        return (op, scale, registry.generation,
+        return (op, *scalars, registry.generation,
                 *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                   for t in tensors])
     except AttributeError:
@@ -148,15 +151,18 @@ def check_metadata(
     value_scale: torch.Tensor | None = None,
     fake: bool = False,
     capability: bool = True,
+    window_left: int | None = None,
+    softcap: float | None = None,
 ) -> Geometry:
-    """Shape/dtype/device/stride checks for ``op``; returns the geometry. ``capability``:
-    also require a kernel backend for the head_dim on the query's device.
+    """Shape/dtype/device/stride checks for ``op``, and of its scalars; returns the geometry.
+    ``capability``: also require a kernel backend for the head_dim on the query's device.
 
     Cheap on a repeated signature: the verdict is cached per call signature (shapes,
-    strides, dtypes, devices, scale), and such a call only has its data pointers checked."""
+    strides, dtypes, devices, scalars), and such a call only has its data pointers checked."""
     tensors = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                attn_bias, key_scale, value_scale)
-    key = None if fake or not capability else _signature(op, tensors, scale)
+    key = None if fake or not capability else \
+        _signature(op, tensors, (scale, window_left, softcap))
     try:
         verdict = _VERDICTS.get(key) if key is not None else None
     except TypeError:  # unhashable: sizes that are not plain ints
@@ -169,6 +175,7 @@ def check_metadata(
     geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
                                query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
                                capability)
+    check_options(window_left, softcap)
     if key is not None:
         if len(_VERDICTS) >= _VERDICT_LIMIT:
             _VERDICTS.clear()
@@ -183,15 +190,32 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                causal: bool, attn_bias: torch.Tensor | None = None,
                max_seq_len: int | None = None, max_query_len: int | None = None,
-               fake: bool = False, capability: bool = True) -> PagedCall:
+               fake: bool = False, capability: bool = True, window_left: int | None = None,
+               softcap: float | None = None) -> PagedCall:
     """check_metadata, then the PagedCall the kernel backends receive (arguments in its
     field order)."""
     geometry = check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
                               query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
-                              capability)
+                              capability, window_left, softcap)
     return PagedCall(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
                      seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                     max_query_len, geometry)
+                     max_query_len, geometry, window_left, softcap)
+
+
+def check_options(window_left: object, softcap: object) -> None:
+    """The optional semantics: ``window_left`` None or an int >= 1 (the keys a query reaches
+    back, itself included), ``softcap`` None or a finite float > 0. Traced values (SymInt,
+    SymFloat) are checked when the op runs."""
+    if window_left is not None and not isinstance(window_left, torch.SymInt) and (
+            isinstance(window_left, bool) or not isinstance(window_left, int)
+            or window_left < 1):
+        raise ValueError(f"window_left: must be None or an int >= 1 (the keys a query sees, "
+                         f"itself included), got {window_left!r}")
+    if softcap is not None and not isinstance(softcap, torch.SymFloat) and (
+            isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+            or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap: must be None or a finite float > 0 (scores become "
+                         f"softcap * tanh(score / softcap)), got {softcap!r}")
 
 
 def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,

@@ -1,4 +1,5 @@
-"""What a pattern is: a matcher anchored on one SDPA call, named preconditions, a replacement.
+"""What a pattern is: a matcher anchored on one node (by default an SDPA call), named
+preconditions, a replacement.
 
 User patterns are built from the same three pieces as the built-in one, so the engine never
 needs to know which pattern it is running::
@@ -16,6 +17,8 @@ needs to know which pattern it is running::
 
 The engine runs every precondition, replaces the anchor's uses with the returned node and
 removes what became dead; a site whose match or checks fail is left exactly as it was.
+A pattern anchored elsewhere says so with ``anchor`` (a test of a node): the built-in one
+also anchors on the final matmul of an explicit matmul-softmax-matmul attention.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
+
+from pagedfuse.graph.ops import SDPA, op_of
 
 
 @dataclass(frozen=True)
@@ -70,16 +75,22 @@ class Precondition:
         return Check(self.name, False, reason)
 
 
+def is_sdpa(node: fx.Node) -> bool:
+    return op_of(node) == SDPA
+
+
 @dataclass(frozen=True)
 class Pattern:
     """``match(anchor)`` returns a Match or a string saying why the site is not this pattern;
     ``replace(graph, match)`` inserts the replacement before the anchor and returns the node
-    that stands in for the anchor's output."""
+    that stands in for the anchor's output. ``anchor(node)``: whether ``node`` is a site
+    this pattern is tried on (each such node is one site of the report)."""
 
     name: str
     match: Callable[[fx.Node], Match | str]
     replace: Callable[[fx.Graph, Match], fx.Node]
     preconditions: Sequence[Precondition] = ()
+    anchor: Callable[[fx.Node], bool] = is_sdpa
 
     def check(self, match: Match) -> list[Check]:
         return [Check("match", True, match.description)] + [

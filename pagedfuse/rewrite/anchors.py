@@ -1,19 +1,22 @@
-"""Anchors: every scaled_dot_product_attention call in the graph, with a readable site name."""
+"""Anchors: the nodes some pattern is tried on (an SDPA call, the last matmul of an explicit
+attention, ...; each pattern says which), with a readable site name."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 import torch.fx as fx
 
-from pagedfuse.graph.ops import SDPA, op_of
+from pagedfuse.patterns.base import Pattern
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-def find_anchors(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if op_of(n) == SDPA]
+def find_anchors(graph: fx.Graph, patterns: Sequence[Pattern]) -> list[fx.Node]:
+    """The nodes, in graph order, that at least one of ``patterns`` anchors on."""
+    return [n for n in graph.nodes if any(p.anchor(n) for p in patterns)]
 
 
 def site_name(node: fx.Node) -> str:

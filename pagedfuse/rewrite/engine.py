@@ -1,5 +1,5 @@
-"""Rewrite one graph: for each SDPA anchor, try the patterns in order; the first that matches
-and passes every precondition replaces the site. A site no pattern takes stays exactly as
+"""Rewrite one graph: for each anchor, try the patterns anchored there in order; the first that
+matches and passes every precondition replaces the site. A site no pattern takes stays exactly as
 it was (a pattern that raises is reported, and anything it inserted is removed)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def rewrite_graph(gm: fx.GraphModule, patterns: Sequence[Pattern],
     work is local to it, so the whole rewrite stays linear in the graph)."""
     report, swaps = Report(graph=graph_name), []
     with tracking(gm.graph) as effects:
-        for anchor in find_anchors(gm.graph):
+        for anchor in find_anchors(gm.graph, patterns):
             site, new = _rewrite_site(gm, effects, anchor, patterns)
             report.sites.append(site)
             if new is not None:
@@ -62,7 +62,7 @@ def _rewrite_site(gm: fx.GraphModule, effects: GraphEffects, anchor: fx.Node,
                   patterns: Sequence[Pattern]) -> tuple[SiteReport, fx.Node | None]:
     name = site_name(anchor)
     tried: list[SiteReport] = []
-    for pattern in patterns:
+    for pattern in (p for p in patterns if p.anchor(anchor)):
         match, checks = _attempt(pattern, anchor)
         new = _replace(gm, effects, pattern, match) if match is not None else None
         if isinstance(new, fx.Node):

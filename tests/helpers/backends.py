@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 from pagedfuse.ops.backends import Backend, backends_for, register_backend, unregister_backend
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.reference import paged_attention_reference
 
 
 @contextlib.contextmanager
@@ -16,6 +20,25 @@ def registered(backend: Backend) -> Iterator[Backend]:
         yield backend
     finally:
         unregister_backend(backend.name)
+
+
+def _options_only(call: PagedCall) -> str | None:
+    return None if call.options else "serves only calls with window_left or softcap"
+
+
+def _reference(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
+    out.copy_(paged_attention_reference(
+        call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
+        call.query_start_loc, call.scale, call.causal, call.attn_bias, call.key_scale,
+        call.value_scale, window_left=call.window_left, softcap=call.softcap))
+
+
+# Stands in for the window and soft-cap kernels on the CPU (they come later): the rewrite's
+# kernel check then passes for sites that use them, so tests can hold the rewritten program
+# to eager. It runs the reference, the op's definition.
+OPTIONS_STAND_IN = Backend(name="options_stand_in", device="cpu", priority=1000,
+                           head_dims={FLOAT_OP: None, INT8_OP: None}, supports=_options_only,
+                           run=_reference)
 
 
 @contextlib.contextmanager

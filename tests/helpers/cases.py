@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from pagedfuse.ops.backends import Backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, OPTIONS, PagedCall
 from pagedfuse.ops.reference import paged_attention_reference, quantize_int8_reference
 from pagedfuse.ops.validate import build_call
 
@@ -41,6 +41,8 @@ class Case:
     attn_bias: Tensor | None
     key_float: Tensor  # the caches before quantization (the caches themselves if float)
     value_float: Tensor
+    window_left: int | None = None
+    softcap: float | None = None
 
     @property
     def op(self) -> str:
@@ -75,6 +77,8 @@ class Case:
                     causal=self.causal, attn_bias=self.attn_bias)
         if self.op == INT8_OP:
             args.update(key_scale=self.key_scale, value_scale=self.value_scale)
+        args.update({name: getattr(self, name) for name in OPTIONS
+                     if getattr(self, name) is not None})
         return args
 
     def run_op(self, max_seq_len: int | None = None,
@@ -89,7 +93,8 @@ class Case:
         return build_call(self.op, self.query, self.key_cache, self.value_cache,
                           self.key_scale, self.value_scale, self.block_table, self.seq_lens,
                           self.query_start_loc, self.scale, self.causal, self.attn_bias,
-                          max_seq_len, max_query_len, capability=capability)
+                          max_seq_len, max_query_len, capability=capability,
+                          window_left=self.window_left, softcap=self.softcap)
 
     def run_backend(self, backend: Backend, plan: object = None,
                     max_seq_len: int | None = None,
@@ -113,7 +118,8 @@ class Case:
             key_scale = value_scale = None
         return paged_attention_reference(
             c.query, key, value, c.block_table, c.seq_lens, c.query_start_loc, c.scale,
-            c.causal, c.attn_bias, key_scale, value_scale, compute_dtype=dtype)
+            c.causal, c.attn_bias, key_scale, value_scale, compute_dtype=dtype,
+            window_left=c.window_left, softcap=c.softcap)
 
 
 def _move(t: object, device: torch.device) -> object:
@@ -163,11 +169,13 @@ def make_case(seq_lens: tuple[int, ...] | list[int] = (37, 20, 5),
               index_dtype: torch.dtype = torch.int32, kind: str = "float",
               causal: bool = False, bias: str | None = None, bias_shape: str = "full",
               strided_query: bool = False, num_blocks: int | None = None,
-              spare_blocks: int = 1, seed: int = 0, device: str = "cpu") -> Case:
+              spare_blocks: int = 1, seed: int = 0, device: str = "cpu",
+              window_left: int | None = None, softcap: float | None = None) -> Case:
     """``q_lens`` default one token each (decode); each must be <= its seq_len. ``kind``:
     see KINDS (int8_k keeps V in ``dtype``). ``num_blocks`` default: fewer than the
     sequences use, so blocks repeat. ``spare_blocks``: table columns past the longest
-    sequence's blocks (ids outside the cache)."""
+    sequence's blocks (ids outside the cache). ``window_left``/``softcap``: the op's
+    options (None: off)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} not in {KINDS}")
     gen = torch.Generator().manual_seed(seed)
@@ -204,5 +212,5 @@ def make_case(seq_lens: tuple[int, ...] | list[int] = (37, 20, 5),
     case = Case(query, key, value, key_scale, value_scale, table.to(index_dtype),
                 torch.tensor(seq_lens, dtype=index_dtype), starts.to(index_dtype),
                 head_dim**-0.5, causal, make_bias(bias, bias_shapes[bias_shape], gen),
-                key_float, value_float)
+                key_float, value_float, window_left, softcap)
     return case.to(device)

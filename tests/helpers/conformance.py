@@ -94,6 +94,26 @@ GRID = [
     GridCase("decode-f32-d96", dict(head_dim=96)),
     GridCase("prefill-bf16-d32-causal", dict(seq_lens=(40, 9), q_lens=(3, 1), head_dim=32,
                                              dtype=bf16, causal=True)),
+    # The options (window_left, softcap): a backend without them declines with its reason.
+    GridCase("window-decode-bf16-w16", dict(seq_lens=(45, 9, 70), dtype=bf16,
+                                            window_left=16), "exact"),
+    GridCase("window-decode-f32-w1-int8kv", dict(head_dim=128, kind="int8_kv",
+                                                 window_left=1)),
+    GridCase("window-prefill-f32-w7-causal", dict(**VARLEN, causal=True, window_left=7)),
+    GridCase("window-prefill-bf16-w7-noncausal-hnd", dict(seq_lens=(40, 53), q_lens=(6, 9),
+                                                          dtype=bf16, layout="HND",
+                                                          window_left=7)),
+    GridCase("window-long-bf16-w4096", dict(seq_lens=(4500, 700), q_lens=(3, 1),
+                                            head_dim=128, dtype=bf16, causal=True,
+                                            window_left=4096), "exact"),
+    GridCase("softcap-decode-bf16-d256", dict(num_q_heads=16, head_dim=256, dtype=bf16,
+                                              softcap=50.0), "exact"),
+    GridCase("softcap-window-prefill-f16-bias", dict(seq_lens=(45, 20), q_lens=(4, 3),
+                                                     dtype=f16, causal=True, bias="float",
+                                                     bias_shape="per_batch", window_left=16,
+                                                     softcap=5.0)),
+    GridCase("softcap-int8k-f32-causal", dict(seq_lens=(64, 31), q_lens=(16, 4),
+                                              kind="int8_k", causal=True, softcap=2.0)),
 ]
 
 

@@ -28,10 +28,15 @@ class Spec:
     view: str = "flatten"  # flatten: flatten+transpose | permute: permute+reshape
     gqa: str = "enable_gqa"  # enable_gqa | repeat_interleave | repeat_kv | mha
     dequant: str = "none"  # none|to_mul|promote|scale_first|float_then_to|to_mul_fp_value
-    mask: str = "bool"  # none | bool | where | masked_fill | alibi | causal | offbyone
+    mask: str = "bool"  # none | bool | where | masked_fill | alibi | causal | offbyone |
+    #                     window (lengths & a window from them) | sliding (causal & window
+    #                     from positions over all keys, q_len = keys)
     scale: str = "default"  # default | float | item
     dtype: torch.dtype = torch.float32
     dropout: float = 0.0
+    spelling: str = "sdpa"  # sdpa | explicit: matmul, scale, (cap), + mask, softmax, matmul
+    softcap: float | None = None  # explicit only: c * tanh(s / c) after the scale
+    window: int = 5  # the window of the window/sliding masks
 
 
 @dataclass
@@ -59,7 +64,7 @@ def make_case(spec: Spec, batch: int = 3, q_len: int = 1, q_heads: int = 8, kv_h
     if spec.gqa == "mha":
         kv_heads = q_heads
     keys = blocks * block_size
-    if spec.mask == "causal":
+    if spec.mask in ("causal", "sliding"):
         q_len = keys
     shape = (num_blocks, block_size, kv_heads, head_dim)
     if spec.layout == "HND":
@@ -136,7 +141,7 @@ def expand_heads(spec: Spec, x: torch.Tensor, group: int) -> torch.Tensor:
     b, h, n, d = x.shape
     if spec.gqa == "repeat_interleave":
         return x.repeat_interleave(group, dim=1)
-    if spec.gqa == "repeat_kv":
+    if spec.gqa == "repeat_kv" or spec.gqa == "enable_gqa" and spec.spelling == "explicit":
         return x[:, :, None, :, :].expand(b, h, group, n, d).reshape(b, h * group, n, d)
     return x
 
@@ -157,7 +162,29 @@ def build_mask(spec: Spec, valid: torch.Tensor, sl: torch.Tensor, bias: torch.Te
         return torch.where(keys <= sl[:, None], 0.0, float("-inf"))[:, None, None, :].to(dtype)
     if spec.mask == "alibi":
         return bias + additive
+    keys = torch.arange(valid.shape[1], device=valid.device)
+    if spec.mask == "window":  # decode: the last `window` keys of each sequence
+        return (valid & (keys >= sl[:, None] - spec.window))[:, None, None, :]
+    if spec.mask == "sliding":  # queries are the keys: causal and (p - j < W)
+        pos_q = keys[:, None]
+        return (keys[None, :] <= pos_q) & (pos_q - keys[None, :] < spec.window)
     return None  # "none", "causal"
+
+
+def explicit_attention(q, k, v, mask, scale, softcap, dropout):
+    """Attention as transformers' eager code writes it: matmul, scale, soft cap, + mask,
+    softmax in float32, cast back, dropout, matmul (a bool mask made 0/-inf first)."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None
+                                                    else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+        scores = scores + mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=False)
+    return torch.matmul(probs, v)
 
 
 def attention(spec: Spec):
@@ -179,6 +206,10 @@ def attention(spec: Spec):
         keys = k.shape[2]
         valid = torch.arange(keys, device=q.device) < sl[:, None]
         mask = build_mask(spec, valid, sl, bias, q.dtype)
+        if spec.spelling == "explicit":
+            if spec.mask == "causal":
+                mask = torch.ones(q.shape[2], keys, dtype=torch.bool).tril(keys - q.shape[2])
+            return explicit_attention(q, k, v, mask, scale, spec.softcap, spec.dropout)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=spec.mask == "causal", scale=scale,
             enable_gqa=spec.gqa == "enable_gqa", **dropout)
@@ -203,3 +234,16 @@ def compile_and_compare(spec: Spec, case: Case | None = None, **backend_kwargs):
     return capture, report, max_rel_err(got, want)
 
 
+def compile_fn(fn, args: tuple, **backend_kwargs):
+    """Compile ``fn`` with a capturing inner and run it on ``args``; (capture, the merged
+    report, the output)."""
+    torch._dynamo.reset()
+    capture = Capture()
+    pagedfuse.clear_reports()
+    out = torch.compile(fn, backend=pagedfuse.backend(inner=capture, **backend_kwargs))(*args)
+    return capture, pagedfuse.Report.merged(pagedfuse.reports()), out
+
+
+def op_node(capture: Capture) -> torch.fx.Node:
+    """The (first) pagedfuse op call in the captured graphs."""
+    return next(n for gm in capture.graphs for n in gm.graph.nodes if n.target in PAGED)

@@ -41,8 +41,9 @@ def support_report(op: str, query: Tensor, key_cache: Tensor, value_cache: Tenso
                    block_table: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *,
                    key_scale: Tensor | None = None, value_scale: Tensor | None = None,
                    attn_bias: Tensor | None = None, causal: bool = False,
-                   max_seq_len: int | None = None,
-                   max_query_len: int | None = None) -> SupportReport:
+                   max_seq_len: int | None = None, max_query_len: int | None = None,
+                   window_left: int | None = None,
+                   softcap: float | None = None) -> SupportReport:
     """Which backend would run this call on its device, and why each other would not,
     from shapes, strides, dtypes and devices alone: the tensors may be fake (no data is read,
     no pointer checked). Raises like the op would where the metadata itself is invalid (a
@@ -51,7 +52,8 @@ def support_report(op: str, query: Tensor, key_cache: Tensor, value_cache: Tenso
 
     call = build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
                       seq_lens, query_start_loc, 1.0, causal, attn_bias, max_seq_len,
-                      max_query_len, fake=True, capability=False)
+                      max_query_len, fake=True, capability=False, window_left=window_left,
+                      softcap=softcap)
     return report_for(call)
 
 

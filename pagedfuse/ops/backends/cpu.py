@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from pagedfuse.ops import cpu
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 
 # The head dims the C++ kernels serve (and tests/test_cpu_kernels.py covers); the INT8 ones
 # fewer, as their integer dot products are exact in fp32 only up to head_dim 256.
 FLOAT_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 160, 192, 256})
 INT8_HEAD_DIMS = frozenset({64, 128, 256})
 
+
+
+def supports(call: PagedCall) -> str | None:
+    return options_missing(call, "cpu")
+
+
 BACKEND = register_backend(Backend(
     name="cpu", device="cpu", priority=100,
-    head_dims={FLOAT_OP: FLOAT_HEAD_DIMS, INT8_OP: INT8_HEAD_DIMS},
+    head_dims={FLOAT_OP: FLOAT_HEAD_DIMS, INT8_OP: INT8_HEAD_DIMS}, supports=supports,
     run=cpu.paged_attention_into, quantize=cpu.quantize_int8))

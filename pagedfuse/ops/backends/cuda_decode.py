@@ -14,7 +14,7 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops import cuda, cuda_native
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
 from pagedfuse.ops.triton_paged import LOG2E
 
@@ -94,6 +94,9 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
 
 
 def supports(call: PagedCall) -> str | None:
+    missing = options_missing(call, "cuda_decode")
+    if missing:
+        return missing
     if call.attn_bias is not None:
         return "attn_bias"
     bound = call.query_bound

@@ -1,7 +1,8 @@
 """The pure-torch reference as a backend: any device, any call, one sequence at a time.
 
 It serves devices that have no backend of their own (and any call when forced with
-PAGEDFUSE_BACKEND=reference); on a device with kernels it is never chosen silently.
+PAGEDFUSE_BACKEND=reference); on a device with kernels the op runs it only for a call using
+an option (window_left, softcap) that no kernel of the device implements yet.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def run(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
     out.copy_(paged_attention_reference(
         call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
         call.query_start_loc, call.scale, call.causal, call.attn_bias, call.key_scale,
-        call.value_scale))
+        call.value_scale, window_left=call.window_left, softcap=call.softcap))
 
 
 BACKEND = register_backend(Backend(

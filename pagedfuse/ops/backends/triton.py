@@ -12,7 +12,7 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops import cuda
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, next_power_of_2
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, next_power_of_2, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
 from pagedfuse.ops.triton_paged import LOG2E, paged_attention_kernel
 from pagedfuse.ops.triton_quantize import quantize_int8
@@ -76,6 +76,10 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     return chosen._replace(splits=splits)
 
 
+def supports(call: PagedCall) -> str | None:
+    return options_missing(call, "triton")
+
+
 def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> None:
     """Fill the contiguous ``out`` [T, Hq, D]: the attention grid (batch, KV heads, splits),
     then the split combine where there are several splits."""
@@ -115,5 +119,5 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
 
 BACKEND = register_backend(Backend(
     name="triton", device="cuda", priority=100,
-    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, run=run, make_plan=make_plan,
-    quantize=quantize_int8))
+    head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run,
+    make_plan=make_plan, quantize=quantize_int8))

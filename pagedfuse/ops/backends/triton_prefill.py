@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.prefill_plan import HEAD_DIMS, PrefillPlan, default_plan, prefill_unsupported
 from pagedfuse.ops.triton_prefill import prefill_into
 
@@ -20,7 +20,11 @@ def make_plan(call: PagedCall, **overrides: object) -> PrefillPlan:
     return dataclasses.replace(default_plan(call), **overrides)
 
 
+def supports(call: PagedCall) -> str | None:
+    return options_missing(call, "triton_prefill") or prefill_unsupported(call)
+
+
 BACKEND = register_backend(Backend(
     name="triton_prefill", device="cuda", priority=150,
     head_dims={FLOAT_OP: frozenset(HEAD_DIMS), INT8_OP: frozenset(HEAD_DIMS)},
-    supports=prefill_unsupported, run=prefill_into, make_plan=make_plan))
+    supports=supports, run=prefill_into, make_plan=make_plan))

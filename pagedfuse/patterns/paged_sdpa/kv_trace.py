@@ -5,6 +5,11 @@ gather recogniser; a view that reinterprets the dtype ends it. Going forward aga
 named-axes interpreter proves the operand is
 ``[batch, kv_head (x rep), position = (block, slot), head_dim]``. Each recogniser is one small
 function in ``GATHERS``; a new gather spelling is one more entry.
+
+A per-token gather whose copy is then written in place before the attention (transformers'
+sliding-window layers read the cache and ``masked_scatter_`` the new K/V into the copy) is
+read ``patched``: the op reads that copy, through an identity table, rather than the cache,
+so whatever the writes put there is what it sees, as SDPA does.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
+from pagedfuse.graph.effects import effects_of, node_storages
 from pagedfuse.graph.layout import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
 from pagedfuse.graph.ops import arg, describe, fake, op_of
 from pagedfuse.ops.validate import INDEX_DTYPES
@@ -34,6 +40,10 @@ class Gather:
     # Nodes between ``source``/``index`` and the gather that eager evaluates (index
     # arithmetic, flattened views): where eager reads the table, for the write checks.
     index_path: frozenset[fx.Node] = frozenset()
+    # In-place writes to the gathered copy before the attention: then ``source`` is that
+    # copy (``node`` itself), read through an identity table; ``cache`` is what it came from.
+    patched: tuple[fx.Node, ...] = ()
+    cache: fx.Node | None = None
 
 
 @dataclass(frozen=True)
@@ -52,14 +62,20 @@ class Trace:
     steps: tuple[Step, ...]  # from the gather towards SDPA
 
     def nodes(self) -> set[fx.Node]:
-        found = {self.gather.node} | {s.node for s in self.steps}
+        """The nodes the op makes redundant (a patched copy stays: the op reads it)."""
+        found = {s.node for s in self.steps}
+        if not self.gather.patched:
+            found.add(self.gather.node)
         for s in self.steps:
             if s.scale is not None:
                 found |= s.scale.nodes()
         return found
 
     def reads(self) -> set[fx.Node]:
-        """Every node eager evaluates from the cache and table to the end of the trace."""
+        """Every node eager evaluates from what the op reads (the cache and table, or a
+        patched copy) to the end of the trace."""
+        if self.gather.patched:
+            return self.nodes()
         found = self.nodes() | self.gather.index_path
         for s in self.steps:
             if s.scale is not None:
@@ -230,6 +246,26 @@ GATHERS: dict[str, Callable[[fx.Node], Gather | str | None]] = {
     "take_along_dim": _gather_take_along_dim,
     "take": _gather_take,
 }
+
+
+def read_patched(trace: Trace, anchor: fx.Node) -> Trace:
+    """``trace`` with its gather read ``patched`` where its per-token copy of a float cache is
+    written in place before ``anchor``; otherwise as it is (the write checks then say why a
+    written copy is not fused)."""
+    gather = trace.gather
+    effects = effects_of(anchor.graph)
+    writes = []
+    position = gather.node
+    while (write := effects.first_write(node_storages(gather.node), position, anchor)):
+        writes.append(write)
+        position = write
+    if not writes or trace.scale is not None or fake(gather.index).dim() != 1 or \
+            gather.flattened or gather.merged_rows or fake(gather.source).dim() != 3:
+        return trace
+    patched = replace(gather, source=gather.node, patched=tuple(writes), cache=gather.source,
+                      spelling=f"{gather.spelling} patched in place by "
+                               f"{', '.join(describe(w) for w in writes)}")
+    return Trace(patched, trace.steps)
 
 
 def walk(node: object, what: str) -> Trace | str:

@@ -12,14 +12,14 @@ import torch
 import torch.fx as fx
 
 from pagedfuse.graph.layout import is_one, same_size, static_int
-from pagedfuse.graph.ops import arg, describe, extra_kwargs, fake
+from pagedfuse.graph.ops import describe, fake
 from pagedfuse.graph.region import escapes, stale_reads
 from pagedfuse.ops.backends import SupportReport, get_backend, head_dim_reason, support_report
 from pagedfuse.ops.validate import FLOAT_DTYPES, check_strides, dtype_name
 from pagedfuse.patterns.base import Match, Precondition
 from pagedfuse.patterns.paged_sdpa.kv_trace import Resolved, SourceView, Trace
 from pagedfuse.patterns.paged_sdpa.sdpa_semantics import fully_masked_rows
-from pagedfuse.patterns.paged_sdpa.site import AS_WRITTEN, LENGTHS, TOP_LEFT_CAUSAL, PagedSite
+from pagedfuse.patterns.paged_sdpa.site import MASK_BIAS, NO_BIAS, TOP_LEFT_CAUSAL, PagedSite
 
 
 def _site(match: Match) -> PagedSite:
@@ -27,18 +27,57 @@ def _site(match: Match) -> PagedSite:
 
 
 def _dropout(match: Match) -> str | None:
-    p = arg(_site(match).sdpa, "dropout_p", 0.0)
+    attention = _site(match).attention
+    p = attention.dropout
     if isinstance(p, (int, float)) and p == 0:
         return None
+    what = "dropout p (in training)" if attention.explicit else "dropout_p"
     if isinstance(p, fx.Node):
-        return (f"dropout_p is the run-time value {p.name}: the fused kernels apply no dropout, "
+        return (f"{what} is the run-time value {p.name}: the fused kernels apply no dropout, "
                 "and proving it is 0 would add a guard")
-    return f"dropout_p={p}: the fused kernels do not apply dropout"
+    advice = " (run the model in eval mode, or with p=0)" if attention.explicit else ""
+    return f"{what}={p}: the fused kernels do not apply dropout{advice}"
 
 
 def _arguments(match: Match) -> str | None:
-    extra = extra_kwargs(_site(match).sdpa)
+    extra = list(_site(match).attention.extra_args)
     return f"unsupported SDPA arguments {extra}" if extra else None
+
+
+def _explicit(match: Match) -> str | None:
+    explicit = _site(match).attention.explicit
+    return explicit.problem if explicit is not None else None
+
+
+def _explicit_passes(match: Match) -> str:
+    explicit = _site(match).attention.explicit
+    if explicit is None:
+        return "an SDPA call"
+    return " -> ".join(explicit.steps) + ": attention as SDPA computes it"
+
+
+def _softcap(match: Match) -> str | None:
+    explicit = _site(match).attention.explicit
+    return explicit.softcap_problem if explicit is not None else None
+
+
+def _softcap_passes(match: Match) -> str:
+    cap = _site(match).attention.softcap
+    if cap is None:
+        return "no soft cap"
+    return f"softcap {cap:g}: scores become {cap:g} * tanh(s / {cap:g}) after the scale"
+
+
+def _window_passes(match: Match) -> str:
+    site = _site(match)
+    m, reading = site.masking, site.mask_reading
+    if m.window_left is None:
+        return "no window" if reading is None else \
+            f"no window read off the mask ({reading.why_bias or 'it holds none'})"
+    if m.bias == NO_BIAS:
+        return f"window_left {m.window_left}, read off the mask (which it replaces)"
+    return (f"window_left {m.window_left} as a hint (only skips keys the mask hides); the "
+            f"mask stays attn_bias: {reading.why_bias}")
 
 
 def _chain_dtypes(r: Resolved) -> list[torch.dtype]:
@@ -127,7 +166,7 @@ def _gqa(match: Match) -> str | None:
     if None in (hq, hkv, rep):
         return None
     seen = hkv * rep
-    enable_gqa = bool(arg(site.sdpa, "enable_gqa", False))
+    enable_gqa = site.attention.enable_gqa
     if hq == seen or enable_gqa and hq % seen == 0:
         return None
     return f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv} x {rep} repeats"
@@ -205,8 +244,8 @@ def _devices(match: Match) -> str | None:
     tensors = [(what, t.gather.source) for what, t in traces]
     tensors += [(f"{what} scale", t.scale.gather.source) for what, t in traces if t.scale]
     tensors += [("block table", site.index), ("attn_mask", site.mask)]
-    if site.length_mask:
-        tensors.append(("seq_lens", site.mask_reading.seq_lens))
+    if site.masking.seq_lens is not None:
+        tensors.append(("seq_lens", site.masking.seq_lens))
     for what, node in tensors:
         value = fake(node)
         if isinstance(value, torch.Tensor) and value.device != device:
@@ -249,9 +288,12 @@ def _strides(match: Match) -> str | None:
 
 def _mask(match: Match) -> str | None:
     site = _site(match)
-    if site.mask is None or site.mask_reading.seq_lens is not None:
-        return None
     m = fake(site.mask)
+    if site.attention.explicit and m is not None and not m.dtype.is_floating_point:
+        return (f"{site.mask.name} is a {dtype_name(m.dtype)} tensor added to the scores (as "
+                "numbers), not a mask; the op would read it as one")
+    if site.masking.bias != MASK_BIAS:
+        return None
     if m.dtype != torch.bool and m.dtype not in FLOAT_DTYPES:
         return f"attn_mask is {dtype_name(m.dtype)}, neither bool nor a float bias"
     if not 2 <= m.dim() <= 4:
@@ -261,18 +303,27 @@ def _mask(match: Match) -> str | None:
 
 def _mask_passes(match: Match) -> str:
     site = _site(match)
+    m = site.masking
     if site.mask is None:
         return "no mask: every gathered key is attended"
-    if site.mask_reading.seq_lens is not None:
-        return f"length mask: seq_lens = {site.mask_reading.seq_lens.name}"
-    return f"attn_bias = {site.mask.name} (not a length mask: {site.mask_reading.why_bias})"
+    if m.bias == NO_BIAS:
+        said = [f"seq_lens = {m.seq_lens.name}" if m.seq_lens is not None else "",
+                "causal" if m.causal else "",
+                f"window_left {m.window_left}" if m.window_left is not None else ""]
+        what = "length mask" if m.seq_lens is not None and not m.causal and \
+            m.window_left is None else "mask"
+        return f"{what} in the op's terms: {', '.join(s for s in said if s)}"
+    hint = f"; seq_lens = {m.seq_lens.name} as a hint" if m.seq_lens is not None else ""
+    return f"attn_bias = {site.mask.name} (not a length mask: " \
+        f"{site.mask_reading.why_bias}){hint}"
 
 
 def _masked_rows(match: Match) -> str | None:
     """The op gives a row with no visible key zeros; where a mask may hide every key of a
-    row, SDPA on this device must give zeros too."""
+    row, SDPA on this device must give zeros too (the explicit spelling's NaN rows are set
+    after the op)."""
     site = _site(match)
-    if site.mask is None:
+    if site.mask is None or site.masking.nan_rows:
         return None
     got = fully_masked_rows(site.q_fake.device, site.q_fake.dtype, fake(site.mask).dtype,
                             static_int(site.size("dim")) or 64)
@@ -286,21 +337,24 @@ def _masked_rows_passes(match: Match) -> str:
     site = _site(match)
     if site.mask is None:
         return "no mask: every row sees a key"
+    if site.masking.nan_rows:
+        return ("a row the mask hides entirely is set to NaN after the op, as the explicit "
+                "softmax gives it")
     return f"SDPA on {site.q_fake.device.type} gives a fully masked row zeros, as the op does"
 
 
 def _causal_passes(match: Match) -> str:
     site = _site(match)
-    if not arg(site.sdpa, "is_causal", False):
-        return "not causal"
-    if site.causal_as_bias:
+    if site.masking.bias == TOP_LEFT_CAUSAL:
         return ("is_causal with fewer queries than keys: SDPA aligns it top-left, so it goes "
                 "to the op as a bool attn_bias, not as the op's bottom-right causal")
-    return "causal (queries == keys: top-left and bottom-right agree)"
+    if site.attention.is_causal:
+        return "causal (queries == keys: top-left and bottom-right agree)"
+    return "causal, read off the mask" if site.masking.causal else "not causal"
 
 
 def _scale(match: Match) -> str | None:
-    scale = arg(_site(match).sdpa, "scale")
+    scale = _site(match).attention.scale
     if scale is None or isinstance(scale, (int, float)) and math.isfinite(scale) and scale:
         return None
     if isinstance(scale, fx.Node) and isinstance(fake(scale), (float, torch.SymFloat)):
@@ -309,19 +363,19 @@ def _scale(match: Match) -> str | None:
 
 
 def _scale_passes(match: Match) -> str:
-    scale = arg(_site(match).sdpa, "scale")
+    scale = _site(match).attention.scale
     if scale is None:
         return f"default 1/sqrt({_site(match).size('dim')})"
     return f"scale {scale.name if isinstance(scale, fx.Node) else scale}"
 
 
 def _self_contained(match: Match) -> str | None:
-    return escapes(match.region, _site(match).sdpa)
+    return escapes(match.region, _site(match).anchor)
 
 
 def _no_write_in_between(match: Match) -> str | None:
     site = _site(match)
-    return stale_reads(site.reads(), site.sdpa)
+    return stale_reads(site.reads(), site.anchor)
 
 
 def _requires_grad(node: object) -> bool:
@@ -333,7 +387,7 @@ def _no_grad_needed(match: Match) -> str | None:
     attention's own fake output (grad mode and inputs where it runs), not the global mode at
     compile time."""
     site = _site(match)
-    if not _requires_grad(site.sdpa):
+    if not _requires_grad(site.anchor):
         return None
     traces = [r.trace for r in (site.key, site.value)]
     traces += [t.scale for t in traces if t.scale is not None]
@@ -341,7 +395,7 @@ def _no_grad_needed(match: Match) -> str | None:
     needs = [n.name for n in leaves if _requires_grad(n)]
     if _requires_grad(site.mask):
         needs.append(f"the attn_mask {site.mask.name}")
-    needs = needs or [describe(n) for n in site.sdpa.all_input_nodes if _requires_grad(n)]
+    needs = needs or [describe(n) for n in site.anchor.all_input_nodes if _requires_grad(n)]
     return (f"{', '.join(needs)} require grad where the attention runs with grad enabled, and "
             "the pagedfuse ops have no backward; run under torch.no_grad() or "
             "torch.inference_mode()")
@@ -376,9 +430,9 @@ def _kernel_report(site: PagedSite) -> SupportReport | str:
     with mode:
         lengths = torch.empty(batch, dtype=torch.int32, device=q.device)
         starts = torch.empty(batch + 1, dtype=torch.int32, device=q.device)
-        bias = (None if masking == LENGTHS else
+        bias = (None if masking.bias == NO_BIAS else
                 torch.empty(q_len, keys, dtype=torch.bool, device=q.device)
-                if masking == TOP_LEFT_CAUSAL else fake(site.mask))
+                if masking.bias == TOP_LEFT_CAUSAL else fake(site.mask))
         try:
             return support_report(
                 site.op, q.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3]).contiguous(),
@@ -386,9 +440,9 @@ def _kernel_report(site: PagedSite) -> SupportReport | str:
                 _fake_view(site.value.trace.gather.source, site.value.view),
                 table.expand(batch, table.shape[1]) if is_one(table.shape[0]) else table,
                 lengths, starts, key_scale=key_scale,
-                value_scale=value_scale, attn_bias=bias,
-                causal=masking == AS_WRITTEN and bool(arg(site.sdpa, "is_causal", False)),
-                max_seq_len=keys, max_query_len=q_len)
+                value_scale=value_scale, attn_bias=bias, causal=masking.causal,
+                max_seq_len=keys, max_query_len=q_len, window_left=masking.window_left,
+                softcap=site.attention.softcap)
         except (TypeError, ValueError) as exc:
             return f"the op would refuse the call: {exc}"
 
@@ -409,8 +463,10 @@ def _kernel(match: Match) -> str | None:
 
 
 PRECONDITIONS = (
+    Precondition("explicit attention", _explicit, _explicit_passes),
     Precondition("dropout", _dropout, lambda m: "dropout_p 0"),
     Precondition("arguments", _arguments, lambda m: "no unsupported SDPA arguments"),
+    Precondition("softcap", _softcap, _softcap_passes),
     Precondition("dtype", _dtype, _dtype_passes),
     Precondition("head_dim", _head_dim, lambda m: f"head_dim {_site(m).size('dim')}"),
     Precondition("gqa", _gqa, _gqa_passes),
@@ -421,6 +477,7 @@ PRECONDITIONS = (
     Precondition("block_size", _block_size, lambda m: f"block_size {_site(m).size('slot')}"),
     Precondition("cache strides", _strides, lambda m: "innermost dim contiguous, rows aligned"),
     Precondition("mask", _mask, _mask_passes),
+    Precondition("window", lambda m: None, _window_passes),
     Precondition("masked rows", _masked_rows, _masked_rows_passes),
     Precondition("causal", lambda m: None, _causal_passes),
     Precondition("scale", _scale, _scale_passes),
