@@ -85,6 +85,16 @@ def test_reference_matches_brute_force(causal, hnd):
     assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.35])
+def test_zero_and_negative_scales_run_as_sdpa_does(scale):
+    """SDPA takes any finite scale (0: uniform weights over the visible keys), so the op does
+    too: a compiled site with such a scale must not raise where eager runs."""
+    c = contract_case(11)
+    want = brute_force(**c, scale=scale, causal=True)
+    got = OPS.paged_attention(**c, scale=scale, causal=True)
+    assert rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("bias_kind", ["bool", "float"])
 def test_reference_bias_matches_brute_force(bias_kind):
     c = contract_case(3)
@@ -277,7 +287,7 @@ BAD_INPUTS = [
      "attn_bias: 8 key columns"),
     ("bias dtype", lambda c: {"attn_bias": torch.ones(3, 1, 3, 11, dtype=torch.int32)},
      TypeError, "attn_bias: dtype int32"),
-    ("scale", lambda c: {"scale": float("nan")}, ValueError, "scale: must be a finite"),
+    ("scale", lambda c: {"scale": float("nan")}, ValueError, "scale: must be a finite float"),
     ("max_seq_len hint", lambda c: {"max_seq_len": 4}, ValueError,
      "max_seq_len: hint 4 < longest sequence 11"),
 ]

@@ -225,6 +225,19 @@ def test_padded_prefill_with_more_queries_than_keys():
     assert outcome.rewritten
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_zero_or_negative_scale_is_rewritten_and_runs(scale):
+    """SDPA runs with any finite scale; the op once refused 0, so the compiled program raised
+    where eager ran."""
+    def fn(q, kc, vc, bt, sl):
+        return F.scaled_dot_product_attention(q, _bhld(kc[bt]), _bhld(vc[bt]), scale=scale,
+                                              enable_gqa=True)
+
+    outcome = differential(fn, _inputs(seed=5))
+    outcome.check()
+    assert outcome.rewritten
+
+
 def test_minus_one_padding_in_the_table_under_a_host_built_mask():
     def fn(q, kc, vc, bt, bias):
         return F.scaled_dot_product_attention(q, _bhld(kc[bt]), _bhld(vc[bt]), attn_mask=bias,

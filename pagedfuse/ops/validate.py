@@ -297,8 +297,8 @@ def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                          f"= {batch + 1}")
     if isinstance(scale, torch.SymFloat):
         pass  # a traced value (e.g. from .item()): checked when the op runs
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"scale: must be a finite non-zero float, got {scale!r}")
+    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: must be a finite float, got {scale!r}")
 
     check_strides("query", query, fake)
     check_strides("key_cache", key_cache, fake)

@@ -355,7 +355,7 @@ def _causal_passes(match: Match) -> str:
 
 def _scale(match: Match) -> str | None:
     scale = _site(match).attention.scale
-    if scale is None or isinstance(scale, (int, float)) and math.isfinite(scale) and scale:
+    if scale is None or isinstance(scale, (int, float)) and math.isfinite(scale):
         return None
     if isinstance(scale, fx.Node) and isinstance(fake(scale), (float, torch.SymFloat)):
         return None
