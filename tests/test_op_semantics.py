@@ -39,9 +39,10 @@ KINDS = ("float", "int8_k", "int8_kv")
 LAYOUTS = ("NHD", "HND")
 CPU_BACKENDS = ("portable", "avx512")
 # GPU paths: the Triton kernel (its own split count, then 3 splits and the combine kernel),
-# the CUDA C++ decode (its own splits, 3 splits, the balanced grid), decode cases only.
-GPU_BACKENDS = ("triton", "triton_splits", "cuda_native", "cuda_native_splits",
-                "cuda_native_balanced")
+# the Triton prefill kernels (16-bit queries), the CUDA C++ decode (its own splits, 3 splits,
+# the balanced grid), decode cases only.
+GPU_BACKENDS = ("triton", "triton_splits", "triton_prefill", "cuda_native",
+                "cuda_native_splits", "cuda_native_balanced")
 SENTINEL = 1234.5  # the second poison: finite, so an unwritten element where NaN is due shows
 NAN, INF = float("nan"), float("inf")
 
@@ -197,7 +198,7 @@ def run_op(c: Case) -> torch.Tensor:
 
 # The registry backend and its plan overrides behind each GPU path of GPU_BACKENDS.
 GPU_PATHS = {"triton": ("triton", {}), "triton_splits": ("triton", {"splits": 3}),
-             "cuda_native": ("cuda_decode", {}),
+             "triton_prefill": ("triton_prefill", {}), "cuda_native": ("cuda_decode", {}),
              "cuda_native_splits": ("cuda_decode", {"splits": 3}),
              "cuda_native_balanced": ("cuda_decode", {"splits": 0})}
 
@@ -313,7 +314,10 @@ def check(backend: str, c: Case, where: str | None = None) -> torch.Tensor:
 # --- 1. more query tokens than keys ----------------------------------------------------------
 
 def _dtype(backend: str) -> torch.dtype:
-    """The CUDA C++ decode serves 16-bit queries only; every other path runs float32."""
+    """The CUDA C++ decode serves 16-bit queries only, and so do the prefill kernels (fp16
+    here, the cases Triton's CPU interpreter can check); every other path runs float32."""
+    if backend == "triton_prefill":
+        return torch.float16
     return torch.bfloat16 if _decode_only(backend) else torch.float32
 
 
@@ -327,7 +331,8 @@ def test_more_query_tokens_than_keys(backend, kind, layout, causal, bias):
     # Sequence 0: 5 tokens over 3 keys (under causal the first two read nothing); 1: two
     # tokens and no key at all; 2: as many tokens as keys; 3: a long context that the CPU
     # kernel splits, one token.
-    c = make_case([3, 0, 6, 300], [5, 2, 6, 1], kind, layout, causal, bias, seed=1)
+    c = make_case([3, 0, 6, 300], [5, 2, 6, 1], kind, layout, causal, bias,
+                  dtype=_dtype(backend), seed=1)
     ref = check(backend, c)
     assert torch.equal(ref[5:7], torch.zeros(2, 4, 64, dtype=torch.float64))
     if causal:
