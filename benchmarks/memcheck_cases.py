@@ -1,6 +1,6 @@
 """One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton; the
-CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias, quantize,
-out-of-range block ids) for compute-sanitizer."""
+CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the split-KV and the
+prefill kernels, quantize, out-of-range block ids) for compute-sanitizer."""
 import sys
 from pathlib import Path
 
@@ -31,7 +31,11 @@ cases = [
     (dict(seq_lens=(129, 64), num_q_heads=10, head_dim=128, kind="int8_k", layout="HND"),
      dict(backend="cuda_decode", max_query_len=1, splits=2)),
     (dict(seq_lens=(40, 20), q_lens=(5, 3), head_dim=128, causal=True, bias="bool",
-          bias_shape="per_batch"), dict(splits=2)),
+          bias_shape="per_batch"), dict(backend="triton", splits=2)),
+    (dict(seq_lens=(300, 40), q_lens=(130, 17), head_dim=128, causal=True, bias="bool",
+          bias_shape="per_batch", dtype=torch.bfloat16), dict(backend="triton_prefill")),
+    (dict(seq_lens=(300, 40), q_lens=(130, 17), head_dim=64, kind="int8_kv", causal=True,
+          dtype=torch.bfloat16), dict(backend="triton_prefill")),
 ]
 cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=12, head_dim=128, kind=kind),
            dict(backend="cuda_decode", max_query_len=1, splits=2,  # one KV head per CTA
