@@ -13,8 +13,10 @@ from pagedfuse.ops.backends import cuda_decode
 
 cases = [
     (dict(seq_lens=lengths(2)), {}),
-    (dict(seq_lens=(700, 33), num_q_heads=24, num_kv_heads=4, head_dim=256), dict(splits=4)),
-    (dict(seq_lens=lengths(2), head_dim=128, kind="int8_k", layout="HND"), dict(splits=2)),
+    (dict(seq_lens=(700, 33), num_q_heads=24, num_kv_heads=4, head_dim=256),
+     dict(backend="triton", splits=4)),
+    (dict(seq_lens=lengths(2), head_dim=128, kind="int8_k", layout="HND"),
+     dict(backend="triton", splits=2)),
     (dict(seq_lens=lengths(3, 1), num_q_heads=32, num_kv_heads=4, block_size=1,
           kind="int8_kv"), dict(backend="triton")),
     (dict(seq_lens=(1, 33, 70), num_q_heads=32, num_kv_heads=4, block_size=1,

@@ -461,10 +461,25 @@ def _poison(c: Case, where: str) -> Case:
     return c
 
 
+# Documented deviations of the fused GPU kernels from the reference (each kernel's docstring
+# says why), seen on the H200 on 2026-12-01: (backend path, cache kind or None for any, where).
+KNOWN_DEVIATIONS = {
+    ("triton_prefill", None, "k_nan_masked"): "a bool mask drops a masked NaN score",
+    ("triton_prefill", None, "v_nan_after_position"):
+        "the diagonal tile's tensor-core P·V meets a NaN V with weight 0",
+    **{(path, "int8_kv", "v_inf"): "an infinite INT8 V scale makes the row NaN"
+       for path in ("cuda_native", "cuda_native_splits", "cuda_native_balanced")},
+}
+
+
 @pytest.mark.parametrize("where", NON_FINITE)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_non_finite_inputs(backend, kind, layout, where):
+def test_non_finite_inputs(request, backend, kind, layout, where):
+    why = KNOWN_DEVIATIONS.get((backend, None, where)) or KNOWN_DEVIATIONS.get(
+        (backend, kind, where))
+    if why:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=why))
     decode = _decode_only(backend)
     if decode and ("bias" in where or "masked" in where or "after" in where):
         pytest.skip("the CUDA C++ decode takes no bias, and one token reads every key")
