@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import max_rel_err
 
 import pagedfuse
 from pagedfuse import cli
 from pagedfuse.models import fidelity, from_transformers, generate, smollm2
+from pagedfuse.numerics import max_rel_err
 
 QUESTIONS = ("What is the capital of France?", "Name the first two men on the moon.",
              "Write a haiku about the sea.")
