@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.capture import Capture, count_calls
 
 import pagedfuse
 from pagedfuse import cli
@@ -129,12 +130,10 @@ def _generate_batch(loaded, prompts: list[list[int]], backend) -> list[list[int]
 def test_continuous_batching_gives_the_same_greedy_text_with_pagedfuse(loaded,
                                                                        zeroed_cb_caches):
     pytest.importorskip("psutil")  # continuous batching needs it on the CPU
-    from test_hf_457_spelling import GraphCapture, count_calls
-
     prompts = [smollm2.chat_tokens(loaded.tokenizer, q) for q in QUESTIONS]
     without = _generate_batch(loaded, prompts, backend=None)
     pagedfuse.clear_reports()
-    inner = GraphCapture()
+    inner = Capture()
     with_pagedfuse = _generate_batch(loaded, prompts, pagedfuse.backend(inner=inner))
 
     assert with_pagedfuse == without
