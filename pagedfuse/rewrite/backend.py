@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pagedfuse.doctor import warn_if_degraded
 from pagedfuse.graph.effects import GraphEffects
 from pagedfuse.patterns import Pattern, registered_patterns
 from pagedfuse.rewrite.engine import rewrite_graph
@@ -46,6 +47,8 @@ def backend(inner: str | Compiler | None = None, verify: bool | None = None,
     compile_inner = settings.inner_compiler()
 
     def pagedfuse_compile(gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
+        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+            warn_if_degraded()  # e.g. a CUDA library without code for this GPU
         original = copy_module(gm) if settings.verify else None
         report, swaps = rewrite_graph(gm, settings.patterns_now(), _graph_name())
         record(report)
