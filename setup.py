@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import Extension, setup
@@ -42,15 +43,58 @@ def _nvcc() -> str | None:
     return candidate if candidate and os.path.exists(candidate) else shutil.which("nvcc")
 
 
+class CudaLibraryWarning(UserWarning):
+    """The CUDA C++ decode will not be built although this machine looks like it wants it."""
+
+
+def _loud(message: str) -> None:
+    """pip shows a build backend's warnings even under -q; the banner stands out in -v logs."""
+    banner = "*" * 78
+    print(f"{banner}\npagedfuse: {message}\n{banner}", file=sys.stderr, flush=True)
+    warnings.warn(message, CudaLibraryWarning, stacklevel=2)
+
+
+def _gpu_present() -> bool:
+    """An NVIDIA GPU on this machine (its driver is loaded), whatever torch can see."""
+    return os.path.isdir("/proc/driver/nvidia/gpus") or shutil.which("nvidia-smi") is not None
+
+
 def _cuda_wanted() -> bool:
+    """Whether to build the CUDA C++ library; says out loud when a machine with a GPU, nvcc or
+    a CUDA torch ends up without it (pagedfuse then falls back to slower kernels)."""
     flag = envs.PAGEDFUSE_CUDA
     if flag in ("0", "1"):
         return flag == "1"
+    nvcc, gpu = _nvcc(), _gpu_present()
+    fix = ("build under the Python that has the CUDA torch: python -m pip install "
+           "--no-build-isolation -e .")
     try:
         import torch
     except ImportError:
+        if nvcc or gpu:
+            _loud("torch cannot be imported by this build (pip's build isolation, or another "
+                  f"Python than torch's), so the CUDA C++ decode is NOT built; {fix}")
         return False
-    return torch.version.cuda is not None and _nvcc() is not None
+    if torch.version.cuda is None:
+        if gpu:
+            _loud(f"torch {torch.__version__} is a CPU build on a machine with an NVIDIA GPU: "
+                  "the CUDA C++ decode is NOT built and no GPU kernel will run; install a CUDA "
+                  "build of torch, then reinstall pagedfuse")
+        return False
+    if nvcc is None:
+        _loud("torch is a CUDA build but nvcc was not found (PATH, CUDA_HOME): the CUDA C++ "
+              "decode is NOT built, decode runs the slower Triton kernel; install the CUDA "
+              "toolkit or set CUDA_HOME, then reinstall")
+        return False
+    archs = [int(a) for a in envs.PAGEDFUSE_CUDA_ARCH.replace(",", ";").split(";")]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        here = 10 * major + minor
+        if here not in archs and not here > max(archs):  # PTX of the last serves newer GPUs
+            _loud(f"this GPU is sm_{here}, but PAGEDFUSE_CUDA_ARCH={envs.PAGEDFUSE_CUDA_ARCH} "
+                  "builds no code it runs: decode will run the slower Triton kernel; set "
+                  f"PAGEDFUSE_CUDA_ARCH={here} (sm_80 or newer) and reinstall")
+    return True
 
 
 class BuildExt(build_ext):

@@ -7,7 +7,7 @@ with ``pagedfuse.backend(inner=<that plain compiler>)``. Reported per count: the
 call (Dynamo's own tracing, plus one eager run of the graph), the pagedfuse first call, their
 difference, and the time spent inside the pagedfuse backend (the rewrite itself), with that
 time as a fraction of Dynamo's tracing. Every attention site must be rewritten. Prints a
-table and writes JSON to benchmarks/results/bench_compile.json.
+table; --json keeps the record (summarize.py reads benchmarks/results/bench_compile.json).
 
     .venv/bin/python benchmarks/bench_compile.py [--layers 8 32 64 128] [--preset tinyllama]
 """
@@ -27,7 +27,8 @@ import torch
 import pagedfuse
 from pagedfuse.models import PagedDecoder, preset
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_compile.json"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "bench_compile.json"
 
 
 def plain(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -85,7 +86,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64, 128])
     parser.add_argument("--preset", default="tinyllama")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case (min is kept)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--json", type=Path,
+                        help=f"write the record here (e.g. {RESULTS.relative_to(ROOT)}); "
+                        "default: print only")
     args = parser.parse_args()
     measure(args.preset, 1, 1)  # warm-up: one-time costs (imports, first traces) land here
     rows = []
@@ -97,13 +100,15 @@ def main() -> None:
         print(f"{layers:>6} {row['dynamo_s']:>9.2f} {row['pagedfuse_s']:>13.2f} "
               f"{row['added_s']:>8.2f} {row['rewrite_s']:>10.3f} "
               f"{row['rewrite_fraction']:>14.1%}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    if not args.json:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.platform(), "torch": torch.__version__,
         "preset": args.preset, "threads": torch.get_num_threads(), "rows": rows,
     }, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

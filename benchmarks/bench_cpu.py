@@ -6,15 +6,17 @@ block table is a random permutation. Peers: eager ``cache[block_table]`` gather 
 that are already contiguous; pagedfuse fp32; pagedfuse int8 (K and V int8, per-token scales).
 Reports the median time, speed-up over eager, achieved bandwidth (bytes of K/V and scales that
 must be read / time) and its fraction of a measured copy bandwidth. Prints a markdown section
-(date, machine, command, table) that can be appended to benchmarks/RESULTS.md.
+(date, machine, command, table); --json keeps the record (summarize.py reads
+benchmarks/results/).
 
-    .venv/bin/python benchmarks/bench_cpu.py [--reps 10] [--threads 2] [--out section.md]
+    .venv/bin/python benchmarks/bench_cpu.py [--reps 10] [--threads 2] [--json cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -127,6 +129,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="also write the markdown section to this file")
+    parser.add_argument("--json", help="write the record (environment and rows) here")
     parser.add_argument("--flush-mib", type=int, default=1024,
                         help="buffer rewritten before each timed run to evict K/V from the "
                              "caches (0: keep caches warm)")
@@ -137,7 +140,7 @@ def main() -> None:
     flush = torch.empty(args.flush_mib * 2**18) if args.flush_mib else None
     header = ("| Hq, Hkv, D | impl | ms | speed-up vs eager | GB/s | of copy BW |\n"
               "|---|---|---:|---:|---:|---:|")
-    rows, summary = [], []
+    rows, summary, records = [], [], []
     bar = _progress(4 * len(SHAPES))
     for shape in SHAPES:
         times = {}
@@ -147,6 +150,9 @@ def main() -> None:
             gbs = nbytes / (ms * 1e6)
             rows.append(f"| {shape} | {name} | {ms:.2f} | {eager_ms / ms:.2f}x | {gbs:.1f} "
                         f"| {gbs / copy_gbs:.0%} |")
+            records.append({"shape": list(shape), "impl": name, "ms": ms,
+                            "speedup_vs_eager": eager_ms / ms, "gbs": gbs,
+                            "of_copy_bw": gbs / copy_gbs})
             if bar is not None:
                 bar.update()
         summary.append(f"{shape}: fp32 {times[EAGER] / times[FUSED_FP32]:.2f}x eager, "
@@ -172,6 +178,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(section)
+    if args.json:
+        env = {"date": stamp, "machine": machine(), "torch": torch.__version__,
+               "threads": args.threads, "isa": cpu.selected_isa(), "command": command,
+               "copy_bandwidth_gbs": copy_gbs, "batch": BATCH, "length": LENGTH, "page": PAGE,
+               "reps": args.reps, "flush_mib": args.flush_mib}
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "cpu_decode", "env": env, "rows": records}, f, indent=1)
 
 
 if __name__ == "__main__":

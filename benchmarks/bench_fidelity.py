@@ -19,7 +19,7 @@ own loss (it also quantizes the query) from the cache's quantization loss (eager
 Greedy agreement: eager fp32 generates --greedy-tokens tokens after each of --greedy-prompts
 text prompts; every run is fed that history and must pick the same tokens.
 
-Writes JSON (default benchmarks/results/fidelity-<device>.json) and prints a markdown table.
+Prints a markdown table; --json keeps the record (summarize.py reads benchmarks/results/).
 
     .venv/bin/python benchmarks/bench_fidelity.py [--device cuda] [--model-path FILE.gguf]
 """
@@ -58,7 +58,6 @@ VS_FP32_LIMITS = {"int8": 0.01, "int8k-bf16v": 0.005, "bf16": 0.002}
 KERNEL_VS_DEQUANT_LIMIT = 0.001
 ALL_RUNS = tuple(f"{cache}/{path}" for cache in CACHES for path in PATHS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -186,8 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a small shared CPU more threads spin)")
-    parser.add_argument("--json", type=Path, help="default: benchmarks/results/"
-                        "fidelity-<device>.json")
+    parser.add_argument("--json", type=Path, help="write the record here (e.g. "
+                        "benchmarks/results/fidelity-<device>.json); default: print only")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
@@ -241,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     for what, diff, limit, ok in bars:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {diff:+.3%} (limit {limit:.1%})")
 
-    out = args.json or RESULTS_DIR / f"fidelity-{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "command": command,
         "date": str(datetime.date.today()),
@@ -257,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [asdict(r) for r in results],
         "checks": [dict(what=w, rel_diff=d, limit=lim, passed=ok) for w, d, lim, ok in bars],
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
     return 0 if all(ok for *_, ok in bars) else 1
 
 

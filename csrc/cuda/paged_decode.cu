@@ -66,7 +66,7 @@
 // On sm_90 the op launches this kernel as a programmatic dependent launch (PDL): after
 // quantize_int8 it locates its tokens and starts its first tile copies before waiting for the
 // query, and it lets the split combine launch once its tiles are done. Under CUDA graphs on
-// the H200 that took 0.8-1.2 µs off an INT8 call at B=1 (benchmarks/RESULTS.md, calls 41-44).
+// the H200 that took 0.8-1.2 µs off an INT8 call at B=1 (2026-11-30; docs/cuda-decode.md).
 //
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
 // values (unchecked on the GPU) never move a read outside the cache, the table or the query;
@@ -93,7 +93,7 @@
 // brings in the whole 128-byte line it shares with the neighbouring head's row, which that
 // head's CTA (launched next to this one) reads soon after. On the H200 INT8 K+V tinyllama
 // at B=64 got 3-4% faster and INT8 K 1-2%; rows of 128 bytes and more are unchanged, and a
-// 256-byte size was up to 5% slower (benchmarks/RESULTS.md, call 35).
+// 256-byte size was up to 5% slower (2026-11-30; docs/cuda-decode.md).
 #define PF_L2_HINT ".L2::128B"
 
 namespace {
@@ -124,13 +124,13 @@ enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
 // for INT8 K at head_dim 128. There the 32-token tile takes 254 registers but halves the
 // tiles and their softmax steps: in 4-warp CTAs (2 per SM rather than 3) llama3_8b at B=64
 // then filled its waves with 1 split instead of 3, 2.5% faster at L=8192 on the H200, 1%
-// slower at L=32768 (benchmarks/RESULTS.md, call 46).
+// slower at L=32768 (2026-11-30; docs/cuda-decode.md).
 //
 // Warps per CTA, and the most KV heads of one sequence the op has a CTA serve (its warps
 // split each head's tiles; 1, 2 and 4 heads are built, and cuda_native.heads_per_cta picks
 // the count per call). Serving several heads, a CTA's warps copy the same token rows at the
-// same time, and fewer CTAs fill a wave. On the H200 at B=64 (benchmarks/RESULTS.md, calls
-// 52-54), 4 heads of 2 warps took INT8 K+V and INT8 K at head_dim 128 1-2.5% under 1 head
+// same time, and fewer CTAs fill a wave. On the H200 at B=64 (2026-11-30, the native sweep
+// of benchmarks/tuning/decode_sweeps.py), 4 heads of 2 warps took INT8 K+V and INT8 K at head_dim 128 1-2.5% under 1 head
 // of 4 warps, and 2 heads of 4 warps every kind at head_dim 256 0.3-2%; bf16 at head_dim
 // 128 and every kind at head_dim 64 were fastest with 1 head of 4 warps.
 template <int KIND, int D>
@@ -381,7 +381,7 @@ struct TileBuf {
 
 // Tiles in flight per warp (the stages of its cp.async pipeline) while it computes one.
 // Loading each tile straight into registers as it starts, and 2 stages, measured slower on
-// the H200 for every format (benchmarks/NOTES-gpu.md, calls 30-36); 2 stages of 8 warps at
+// the H200 for every format (2026-11-30; docs/cuda-decode.md); 2 stages of 8 warps at
 // head_dim 256 would not fit in shared memory.
 constexpr int kStages = 1;
 
@@ -398,8 +398,8 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // registers (head_dim 128 INT8 K+V: about 200, so 1 CTA of 8 warps per SM), which on the
 // H200 measured up to 4% faster for the INT8 kinds than 4-warp builds held to 3 CTAs at
 // head_dim 128 and 5 at 8-bit head_dim 64, and as fast for 16-bit caches
-// (benchmarks/NOTES-gpu.md, call 31). INT8 K+V at head_dim 64 is held to 4 (128 registers,
-// no spill), where it measured fastest (call 36); left free, ptxas takes 140-146 and 3 CTAs
+// (2026-11-30). INT8 K+V at head_dim 64 is held to 4 (128 registers, no spill), where it
+// measured fastest; left free, ptxas takes 140-146 and 3 CTAs
 // fit.
 template <int D, int KIND>
 constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
@@ -454,7 +454,7 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   // shared memory. Behind the balanced grid's static variables the region began 64 or 96
   // bytes past a line (16-byte alignment); on the H200 67% of that kernel's L2 lookups then
   // hit instead of 1%, with the same DRAM bytes (its copies reaching L2 as partial lines, it
-  // seems), and it streamed up to 1.6% slower (benchmarks/NOTES-gpu.md, calls 68-70).
+  // seems), and it streamed up to 1.6% slower (2026-11-30).
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
   // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes (512 for 16-bit V
@@ -849,7 +849,7 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
   // The piece loop's state, in shared memory (iteration k's in [k & 1], written by thread 0
   // before its span) rather than in registers live across the span's tile loop: held in
   // registers it took the balanced kernel 16 registers over the split grid's and made its
-  // tile loop 19% slower on the H200 (benchmarks/NOTES-gpu.md, call 61).
+  // tile loop 19% slower on the H200 (2026-11-30).
   struct Piece {
     int64_t pos, taken;  // its first step and step count
     int64_t base, n;     // its sequence's first step and step count

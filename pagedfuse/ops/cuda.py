@@ -51,7 +51,8 @@ def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
     sqrt(128 / head_dim) (bigger tiles keep more bytes in flight per program). Where 4/3 or
     more splits are wanted but fewer than ``config.fill_splits`` (bf16 at B=64 with 4 KV
     heads on the H200), a long context takes ``fill_splits``: there 1 split under-fills the
-    GPU and 2 measured slow, 4 was 3-9% faster. Fitted to the H200 sweeps in NOTES-gpu.md."""
+    GPU and 2 measured slow, 4 was 3-9% faster. Fitted to the H200's split sweeps
+    (2026-11-29/30, benchmarks/tuning/decode_sweeps.py splits and splitcheck)."""
     tiles = -(-context // config.block_n)
     if config.resident:
         return max(1, min(wave_splits(batch * num_kv_heads, config.resident * sm_count,
@@ -72,8 +73,9 @@ def wave_splits(programs: int, slots: int, max_splits: int = 8, pow2: bool = Tru
     a power of two, so one just above a power of two doubles the combine's work; on the
     H200 qwen35 INT8 K at B=1 took 28.5 µs with 66 splits, 24.6 with 64). If not:
     the fewest splits whose last wave is at least WAVE_FILL full, since a partial wave idles
-    the rest of the GPU for a whole program's time (H200 sweep in NOTES-gpu.md: 512 programs
-    on 396 slots took 416 µs at 1 split, 339 µs at 2 and 319 µs at 3, the rule's choice)."""
+    the rest of the GPU for a whole program's time (H200, 2026-11-30, the native sweep: 512
+    programs on 396 slots took 416 µs at 1 split, 339 µs at 2 and 319 µs at 3, the rule's
+    choice)."""
     if programs <= slots:
         fit = slots // max(programs, 1)
         top = 1 << (fit.bit_length() - 1)

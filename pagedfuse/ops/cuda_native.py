@@ -114,7 +114,8 @@ def heads_per_cta(variant: Variant, num_kv_heads: int, batch: int, sm_count: int
     smallest whose CTAs of one split fit in one wave, else the largest. At the same CTA
     count fewer heads per CTA take fewer splits: on the H200 at B=8, qwen35 with 1 head and
     4 splits was 1-6% faster than with 2 heads and 8, while at B=64 llama3_8b's INT8 caches
-    with 4 heads per CTA fit one wave and beat 1 and 2 heads by 1.5-6% (calls 53-54)."""
+    with 4 heads per CTA fit one wave and beat 1 and 2 heads by 1.5-6% (2026-11-30, the
+    native sweep of benchmarks/tuning/decode_sweeps.py)."""
     fits = [h for h in HEADS_PER_CTA if h <= variant.heads and num_kv_heads % h == 0]
     slots = variant.resident * sm_count
     return next((h for h in fits if batch * num_kv_heads // h <= slots), fits[-1])

@@ -4,7 +4,6 @@ compiler (inductor, eager, or any ``(gm, example_inputs) -> callable``)."""
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -12,19 +11,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pagedfuse.doctor import warn_if_degraded
 from pagedfuse.graph.effects import GraphEffects
 from pagedfuse.patterns import Pattern, registered_patterns
 from pagedfuse.rewrite.engine import rewrite_graph
+from pagedfuse.rewrite.options import BackendOptions, PatternSpec
 from pagedfuse.rewrite.report import Report, record
 from pagedfuse.rewrite.verify import copy_module, verifying
 
-log = logging.getLogger("pagedfuse")
 Compiler = Callable[[fx.GraphModule, list], Callable]
 _graph_ids = itertools.count()
-
-# torch.compile/Dynamo options that callers (e.g. transformers' CompileConfig) pass along;
-# they were already applied by Dynamo and mean nothing to the inner compiler.
-_DYNAMO_OPTIONS = frozenset({"fullgraph", "dynamic", "backend"})
 
 
 def _graph_name() -> str:
@@ -33,50 +29,30 @@ def _graph_name() -> str:
     return f"graph {compile_id if compile_id is not None else next(_graph_ids)}"
 
 
-def _inductor(mode: str | None, options: dict | None) -> Compiler:
-    from torch._inductor import list_mode_options
+def backend(inner: str | Compiler | None = None, verify: bool | None = None,
+            patterns: Sequence[PatternSpec] | None = None, **kwargs: Any) -> Compiler:
+    """A Dynamo backend that swaps paged attention for pagedfuse ops, then runs ``inner``
+    ('inductor' when not given; 'eager' or any ``(gm, example_inputs) -> callable``).
 
-    patches = dict(list_mode_options(mode) if mode else {})  # an unknown mode raises here
-    patches.update(options or {})
-
-    def compile_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
-
-    return compile_inductor
-
-
-def _inner_compiler(inner: str | Compiler, kwargs: dict[str, Any]) -> Compiler:
-    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
-    ignored = sorted(k for k in kwargs if k not in _DYNAMO_OPTIONS)
-    if ignored:
-        log.debug("pagedfuse: ignoring backend options %s", ignored)
-    if callable(inner):
-        return inner
-    if inner == "eager":
-        return lambda gm, example_inputs: gm.forward
-    if inner == "inductor":
-        return _inductor(mode, options)
-    raise ValueError(f"inner: expected 'inductor', 'eager' or a callable, got {inner!r}")
-
-
-def backend(inner: str | Compiler = "inductor", verify: bool = False,
-            patterns: Sequence[Pattern] | None = None, **kwargs: Any) -> Compiler:
-    """A Dynamo backend that swaps paged attention for pagedfuse ops, then runs ``inner``.
-
-    ``patterns`` replaces the registry's patterns for this backend; extra keyword arguments
-    (``mode``, ``options``) go to inductor, and Dynamo's own (``fullgraph``, ``dynamic``)
-    are accepted and ignored.
+    ``verify``: replay each rewritten site against the original on first call (default off).
+    ``patterns``: Pattern objects or registered names (default: the registry's). ``mode`` and
+    ``options`` go to inductor; ``options`` may also hold the settings above, as it does when
+    they come through ``torch.compile(..., backend="pagedfuse", options={...})``. Dynamo's own
+    arguments (``fullgraph``, ``dynamic``) are accepted and ignored; any other name raises,
+    listing the valid ones.
     """
-    compile_inner = _inner_compiler(inner, dict(kwargs))
+    given = {k: v for k, v in dict(inner=inner, verify=verify, patterns=patterns).items()
+             if v is not None}
+    settings = BackendOptions.from_arguments(**given, **kwargs)
+    compile_inner = settings.inner_compiler()
 
     def pagedfuse_compile(gm: fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
-        chosen = list(patterns) if patterns is not None else registered_patterns()
-        original = copy_module(gm) if verify else None
-        report, swaps = rewrite_graph(gm, chosen, _graph_name())
+        if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+            warn_if_degraded()  # e.g. a CUDA library without code for this GPU
+        original = copy_module(gm) if settings.verify else None
+        report, swaps = rewrite_graph(gm, settings.patterns_now(), _graph_name())
         record(report)
-        rewritten = copy_module(gm) if verify and swaps else None
+        rewritten = copy_module(gm) if settings.verify and swaps else None
         compiled = compile_inner(gm, example_inputs)
         if rewritten is None:
             return compiled
@@ -86,8 +62,8 @@ def backend(inner: str | Compiler = "inductor", verify: bool = False,
 
 
 def pagedfuse_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    """The backend behind ``torch.compile(..., backend="pagedfuse")`` (the entry point):
-    inductor as inner compiler, with ``mode``/``options`` from torch.compile."""
+    """The backend behind ``torch.compile(..., backend="pagedfuse")`` (the entry point), with
+    ``mode`` and ``options`` from torch.compile: pagedfuse's settings and inductor's."""
     return backend(**kwargs)(gm, example_inputs)
 
 
@@ -121,15 +97,26 @@ def _explain_backend(patterns: tuple[Pattern, ...]) -> Compiler:
     return _explain_backends[key][1]
 
 
+# Dynamo settings for explain(): every call reports what a first compile of ``fn`` with
+# these inputs reports. Without them a second call with other shapes would trace them as
+# dynamic (so head_dim would fail as "dynamic"), and from the 9th distinct signature Dynamo's
+# recompile limit would run ``fn`` uncompiled, with no report at all.
+_EXPLAIN_DYNAMO_CONFIG = {"automatic_dynamic_shapes": False, "recompile_limit": 1 << 30,
+                          "accumulated_recompile_limit": 1 << 30}
+
+
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
     """Trace ``fn(*args, **kwargs)`` with Dynamo and return the report of every graph it ran,
     without compiling: each graph runs as written, on copies of the inputs it writes in
     place, so the caller's tensors (caches included) are left as they were. (Python code
-    between graphs, around a graph break, runs as usual.)"""
+    between graphs, around a graph break, runs as usual.) Each call reports what a first
+    compile of ``fn`` with these inputs would, whatever shapes earlier calls had."""
     ran: list[Report] = []
     token = _explained.set(ran)
     try:
-        torch.compile(fn, backend=_explain_backend(tuple(registered_patterns())))(*args, **kwargs)
+        with torch._dynamo.config.patch(_EXPLAIN_DYNAMO_CONFIG):
+            torch.compile(fn, backend=_explain_backend(tuple(registered_patterns())))(
+                *args, **kwargs)
     finally:
         _explained.reset(token)
     return Report.merged(ran)

@@ -2,7 +2,7 @@
 one query token per sequence, no attn_bias, 16-bit queries, at most MAX_GROUP query heads
 per KV head. Where it applies it outranks the Triton kernel: on the H200 it is as fast or
 faster for every cache format and head_dim it is built for, bf16 at B >= 8 by 2-14%
-(benchmarks/RESULTS.md, calls 30-32)."""
+(2026-11-30; docs/cuda-decode.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
     fills its one wave closer than a power of two of splits does (wave_splits): on the H200
     at B=8, 6 splits (3 CTAs per SM, 8 KV heads) were 1.7-2.9% faster than 4 and 12
     (tinyllama) as fast as 8, where the same 6 splits cost bf16 10-13%
-    (benchmarks/RESULTS.md, calls 36 and 43). ``balanced`` (default PAGEDFUSE_BALANCED):
+    (2026-11-30, the native sweep). ``balanced`` (default PAGEDFUSE_BALANCED):
     the balanced grid rather than fixed splits, up to its batch limit."""
     variant = cuda_native.decode_variant(device, kind, head_dim)
     if heads is None:
@@ -50,7 +50,7 @@ def balanced_ctas(config: LaunchConfig, variant: cuda_native.Variant, batch: int
     one per sequence and group of ``config.heads`` KV heads times num_kv_splits. Then with
     equal lengths each CTA's share is one split's chunk, as in the split grid; one CTA per
     resident slot instead, with shares that start mid-sequence, was slower on the H200 at 17
-    of 21 points, by up to 3.9% (benchmarks/RESULTS.md, call 73)."""
+    of 21 points, by up to 3.9% (2026-11-30, the balanced sweep)."""
     balanced = config._replace(resident=variant.balanced_resident * config.heads)
     splits = cuda.num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, balanced)
     return num_kv_heads // config.heads * max(batch, 1) * splits

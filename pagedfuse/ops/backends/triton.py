@@ -24,7 +24,8 @@ MAX_ROWS = 64  # q_len > 1: query tokens per tile, times the padded group
 
 def launch_config(int8_k: bool) -> LaunchConfig:
     """Keys per tile, warps and pipeline depth: the best of a sweep on the H200 at B=64,
-    L=8192 for all three head dims (benchmarks/NOTES-gpu.md). The fill rule is bf16 only:
+    L=8192 for all three head dims (2026-11-29, the tiles sweep of
+    benchmarks/tuning/decode_sweeps.py). The fill rule is bf16 only:
     the INT8 kernels measured best at the plain rule's 1-2 splits there."""
     return LaunchConfig(128, 4, 2) if int8_k else LaunchConfig(64, 4, 2, fill_splits=4)
 

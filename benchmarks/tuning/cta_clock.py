@@ -5,7 +5,7 @@ Needs the profiling build of the library (per-CTA %globaltimer stamps):
 
     PAGEDFUSE_CUDA_ARCH=90 PAGEDFUSE_NVCC_FLAGS=-DPF_CTA_CLOCK \\
         pip install --no-build-isolation --no-deps -e .
-    python benchmarks/cta_clock.py
+    python benchmarks/tuning/cta_clock.py
 
 Each default call is captured in a CUDA graph and replayed after a 256 MB zeroing L2 flush
 (as the table's do_bench does); the line reports the median replay's event time, and from
@@ -18,20 +18,18 @@ an SM's last CTA ended.
 from __future__ import annotations
 
 import ctypes
+import sys
+from pathlib import Path
 
-import torch
-from bench_decode import (
-    GEOMETRIES,
-    Case,
-    _pf_call,
-    captured,
-    default_launch,
-    flush_buffer,
-    pf_cuda,
-    replay_us,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
 
-from pagedfuse.ops import cuda_native
+import torch  # noqa: E402
+from decode_cases import GEOMETRIES, Case, pf_call  # noqa: E402
+from decode_sweeps import default_launch  # noqa: E402
+from timing import captured, flush_buffer, replay_us  # noqa: E402
+
+from pagedfuse.ops import cuda as pf_cuda  # noqa: E402
+from pagedfuse.ops import cuda_native  # noqa: E402
 
 POINTS = (("llama3_8b", 64, 8192, ("int8_kv", "bf16")), ("llama3_8b", 8, 32768, ("int8_kv",)),
           ("llama3_8b", 8, 8192, ("bf16", "int8_kv")), ("qwen35", 8, 8192, ("bf16",)))
@@ -54,7 +52,7 @@ def timeline(case: Case, kind: str, lib: ctypes.CDLL, flush: torch.Tensor) -> st
     config, splits = default_launch(case, kind)
     ctas = case.geo[1] // config.heads * case.batch * splits
     sms = pf_cuda.sm_count(case.q.device)
-    graph = captured(lambda: _pf_call(case, kind))
+    graph = captured(lambda: pf_call(case, kind))
     runs = [(replay_us(graph, flush.zero_), stamps(lib, ctas)) for _ in range(REPLAYS)]
     event_us, t = sorted(runs, key=lambda run: run[0])[REPLAYS // 2]
     start, tiles, end, sm = t.unbind(1)

@@ -6,7 +6,7 @@ serving follows kernels that mostly read (weight GEMMs), which leave clean lines
 times each method after zeroing 256 MB, after reading 256 MB, and with no flush (where the
 replay's own launch is no longer hidden behind a flush kernel)::
 
-    python benchmarks/flush_check.py
+    python benchmarks/tuning/flush_check.py
 
 Contiguous SDPA here is cuDNN's (bench_decode.py's table takes the faster of cuDNN and
 flash; at B=8 flash is faster).
@@ -14,18 +14,15 @@ flash; at B=8 flash is faster).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-import torch
-from bench_decode import (
-    GEOMETRIES,
-    Case,
-    _pf_call,
-    captured,
-    contiguous_out,
-    flush_buffer,
-    median_replay_us,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+
+import torch  # noqa: E402
+from decode_cases import GEOMETRIES, Case, contiguous_out, pf_call  # noqa: E402
+from timing import captured, flush_buffer, median_replay_us  # noqa: E402
 
 POINTS = ((8, 8192), (64, 8192), (8, 32768))
 REPLAYS = 50
@@ -35,7 +32,7 @@ def check_point(batch: int, length: int, flushes: dict[str, Callable]) -> None:
     case = Case(GEOMETRIES["llama3_8b"], batch, length)
     methods = {
         "contiguous SDPA": lambda: contiguous_out(case),
-        **{kind: (lambda k=kind: _pf_call(case, k)) for kind in ("bf16", "int8_kv", "int8_k")},
+        **{kind: (lambda k=kind: pf_call(case, k)) for kind in ("bf16", "int8_kv", "int8_k")},
     }
     for name, fn in methods.items():
         graph = captured(fn)

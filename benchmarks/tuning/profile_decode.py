@@ -2,16 +2,22 @@
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
         -k regex:paged_decode --launch-skip 2 --launch-count 1 \\
-        python benchmarks/profile_decode.py --geo llama3_8b --batch 64 --length 8192 \\
+        python benchmarks/tuning/profile_decode.py --geo llama3_8b --batch 64 --length 8192 \\
         --kind int8_kv
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import torch
-from bench_decode import GEOMETRIES, NATIVE_KIND, Case, _pf_call, contiguous_out, cuda_decode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+
+import torch  # noqa: E402
+from decode_cases import GEOMETRIES, NATIVE_KIND, Case, contiguous_out, pf_call  # noqa: E402
+
+from pagedfuse.ops.backends import cuda_decode  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +42,7 @@ def main() -> None:
         config = backend and cuda_decode.native_config(
             NATIVE_KIND[args.kind], case.geo[2], case.geo[1], case.batch, torch.device("cuda"),
             args.heads)
-        call = lambda: _pf_call(case, args.kind, backend, config=config,  # noqa: E731
+        call = lambda: pf_call(case, args.kind, backend, config=config,  # noqa: E731
                                 splits=args.splits)
     for _ in range(args.calls):
         call()

@@ -3,7 +3,7 @@
 A Triton kernel that does nothing but read: one program per (sequence, KV head, split) walks
 its share of the sequence's pages through the block table and sums its K and V rows (and,
 for INT8 caches, their scales): one float out per program. Its best time over a few warp,
-pipeline and split settings is timed (bench_decode's bench: a CUDA graph replay after the
+pipeline and split settings is timed (timing.bench: a CUDA graph replay after the
 L2 flush), for bf16 caches on the same bytes laid out four ways: the contiguous
 [B, Hkv, L, D] K/V that contiguous SDPA reads (as 16-token pages in order), the table's
 random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K+V
@@ -12,28 +12,26 @@ and flash) and pagedfuse's decode of the same cache. Where the reader itself mis
 target's ratio to SDPA, a decode would have to read the pages faster than a kernel that does
 nothing else::
 
-    python benchmarks/page_read.py                          # bf16, B=64, L=8192 and 32768
-    python benchmarks/page_read.py --kind int8_kv --batch 8 --lengths 32768 --flush read
+    python benchmarks/tuning/page_read.py                          # bf16, B=64, L=8192 and 32768
+    python benchmarks/tuning/page_read.py --kind int8_kv --batch 8 --lengths 32768 --flush read
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-import bench_decode
-import torch
-import triton
-import triton.language as tl
-from bench_decode import (
-    GEOMETRIES,
-    TARGET_RATIOS,
-    Case,
-    _pf_call,
-    bench,
-    best_contiguous,
-    copy_bandwidth,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+
+import timing  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from decode_cases import GEOMETRIES, Case, best_contiguous, pf_call  # noqa: E402
+from decode_sweeps import TARGET_RATIOS  # noqa: E402
+from timing import bench, copy_bandwidth  # noqa: E402
 
 CONFIGS = ((4, 2), (4, 3), (8, 3), (8, 4))  # (num_warps, pipeline stages) tried per layout
 REPS = dict(warmup=5, rep=20)
@@ -139,7 +137,7 @@ def measure(kind: str, geo: tuple[int, int, int], batch: int,
         k, v, ks, vs = case.caches(kind)
         times[f"reader, {name}"] = best_us(k, v, case.table, batch, ks, vs)
         if name != "in order NHD":
-            times[f"pagedfuse {kind}, {name}"] = bench(lambda c=case: _pf_call(c, kind), REPS)
+            times[f"pagedfuse {kind}, {name}"] = bench(lambda c=case: pf_call(c, kind), REPS)
         nbytes.update((key, case.bytes(kind)) for key in times if key not in nbytes)
         del case
         torch.cuda.empty_cache()
@@ -152,10 +150,10 @@ def main() -> None:
     parser.add_argument("--geos", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--flush", choices=("zero", "read"), default=bench_decode.FLUSH,
-                        help="the L2 flush before each timed replay (bench_decode's --flush)")
+    parser.add_argument("--flush", choices=("zero", "read"), default=timing.FLUSH,
+                        help="the L2 flush before each timed replay (timing.py)")
     args = parser.parse_args()
-    bench_decode.FLUSH = args.flush
+    timing.FLUSH = args.flush
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {args.flush} flush; target {args.kind} <= "
