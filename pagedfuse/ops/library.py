@@ -89,7 +89,7 @@ def _paged_attention(
     window_left: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    """Attention of packed queries [T, Hq, D] over a paged float KV cache (see DESIGN.md).
+    """Attention of packed queries [T, Hq, D] over a paged float KV cache (docs/design.md).
     ``window_left``: a query at position p reads keys j > p - window_left only;
     ``softcap``: scaled scores s become softcap * tanh(s / softcap) before attn_bias."""
     return _run(FLOAT_OP, query, key_cache, value_cache, None, None, block_table, seq_lens,

@@ -50,7 +50,7 @@ def paged_attention_reference(
     window_left: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Paged attention as DESIGN.md defines it; with ``key_scale`` it is the INT8 variant.
+    """Paged attention as docs/design.md defines it; with ``key_scale`` it is the INT8 variant.
 
     Sequence b's query token t (of q_len) sits at position p = seq_len - q_len + t, which may
     be negative, and reads keys j < seq_len, with ``causal`` only j <= p, with

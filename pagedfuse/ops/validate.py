@@ -1,6 +1,6 @@
 """Argument checks shared by every implementation of the paged ops.
 
-Two tiers, as DESIGN.md asks:
+Two tiers, as docs/design.md has them:
 - ``check_metadata`` reads only shapes, dtypes, devices and strides. It is free, always on,
   and also runs inside the fake (meta) implementations, so a bad call fails at trace time.
 - ``check_values`` reads tensor *values* (block ids, lengths). It runs eagerly for CPU
