@@ -151,7 +151,8 @@ def overhead(record: dict) -> tuple[str, str]:
         rows.append(cells)
     head = ["geometry", "op", "backend", "op call, inference_mode", "op call, grad mode",
             "backend run alone", "build_call"]
-    return ran_on, record["unit"] + ".\n\n" + table(head, rows)
+    partial = f" Partial: {record['partial']}." if "partial" in record else ""
+    return ran_on, record["unit"] + "." + partial + "\n\n" + table(head, rows)
 
 
 def compile_time(record: dict) -> tuple[str, str]:
