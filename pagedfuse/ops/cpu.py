@@ -103,6 +103,8 @@ def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) 
         "block_size": geo.block_size,
         "scale": float(call.scale),
         "causal": bool(call.causal),
+        "window_left": call.window_left or 0,  # 0: no window (a window is >= 1)
+        "softcap": float(call.softcap or 0.0),  # 0: no cap (a cap is > 0)
         "threads": torch.get_num_threads(),
     })
 
