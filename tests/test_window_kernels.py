@@ -134,8 +134,9 @@ def test_softcap_of_infinite_scores_without_it_is_nan(isa):
 
 
 def test_reads_only_the_windows_pages(tmp_path):
-    """Pages wholly before every query's window point 2^36 blocks past the cache: a kernel
-    that touched them would fault (run in a subprocess, so a fault fails only this test)."""
+    """Pages wholly before every query's window point 2^40 blocks past the cache, beyond
+    the address space: a kernel that touched them (their rows, or for int8 their scales)
+    would fault (run in a subprocess, so a fault fails only this test)."""
     script = textwrap.dedent("""
         import os, sys, torch
         sys.path.insert(0, sys.argv[1])
@@ -146,16 +147,16 @@ def test_reads_only_the_windows_pages(tmp_path):
         torch.set_num_threads(4)
         for isa in cpu.available_isas():
             os.environ["PAGEDFUSE_CPU_ISA"] = isa
-            for causal in (False, True):
+            for causal, kind in ((False, "float"), (True, "float"), (True, "int8_kv")):
                 c = distinct_blocks(window_case(16, causal, seq_lens=(300, 137, 20),
-                                                num_blocks=40))
+                                                num_blocks=40, kind=kind))
                 ref = c.reference()
                 table = c.block_table.long()
                 for b, (n, q) in enumerate(zip(c.seq_lens.tolist(), (3, 5, 1))):
                     first = n - q + 1 - 16  # the first query's window starts there
-                    table[b, : max(first, 0) // 16] = 2**36
+                    table[b, : max(first, 0) // 16] = 2**40
                 got = c.with_(block_table=table).run_backend(get_backend("cpu"))
-                assert numerics.rel_err(got, ref) <= 1e-4, (isa, causal)
+                assert numerics.rel_err(got, ref) <= 1e-4, (isa, causal, kind)
         print("read only the windows")
         """)
     path = tmp_path / "window_reads.py"
