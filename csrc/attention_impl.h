@@ -1,6 +1,7 @@
 // The per-item attention kernel, written once over an ISA's primitives (dots_rows,
-// dots_rows_i8, pv_tile, scale_row, exp_sub_sum, softcap_row). Included inside namespace pagedfuse::<isa>
-// by each attention_<isa>.cpp, so every ISA gets its own copy compiled for its target.
+// dots_rows_i8, pv_tile, scale_row, exp_sub_sum, softcap_row). Included inside namespace
+// pagedfuse::<isa> by each attention_<isa>.cpp, so every ISA gets its own copy compiled for
+// its target.
 //
 // One item = some query tokens of one sequence x all query heads x a range of keys. Keys are
 // taken kTile at a time, all KV heads of a page together (so pages stream in sequentially);
