@@ -5,9 +5,15 @@ block table is a random permutation. Peers: eager ``cache[block_table]`` gather 
 ``F.scaled_dot_product_attention(enable_gqa=True)`` with a length mask; the same SDPA on K/V
 that are already contiguous; pagedfuse fp32; pagedfuse int8 (K and V int8, per-token scales).
 Reports the median time, speed-up over eager, achieved bandwidth (bytes of K/V and scales that
-must be read / time) and its fraction of a measured copy bandwidth. Prints a markdown section
-(date, machine, command, table); --json keeps the record (summarize.py reads
-benchmarks/results/).
+must be read / time) and its fraction of a measured copy bandwidth.
+
+Windowed decode (Gemma2's attention: 16 query heads over 8 KV heads of 256, bf16 cache),
+B=4 sequences of L=32768 keys: pagedfuse with window_left=4096 against the same call over the
+full context and against the window's byte floor (its K/V bytes at the copy bandwidth), so
+the table shows that the window reads only its own pages.
+
+Prints a markdown section (date, machine, command, tables); --json keeps the record
+(summarize.py reads benchmarks/results/).
 
     .venv/bin/python benchmarks/bench_cpu.py [--reps 10] [--threads 2] [--json cpu.json]
 """
@@ -36,6 +42,9 @@ SHAPES = ((32, 8, 128), (24, 4, 256))  # (Hq, Hkv, D)
 BATCH, LENGTH, PAGE = 8, 4096, 16
 EAGER, CONTIGUOUS, FUSED_FP32, FUSED_INT8 = (
     "eager gather + SDPA", "SDPA, contiguous K/V", "pagedfuse fp32", "pagedfuse int8 (K, V)")
+WINDOW_SHAPE = (16, 8, 256)  # (Hq, Hkv, D) of Gemma2-9B
+WINDOW_BATCH, WINDOW_LENGTH, WINDOW = 4, 32768, 4096
+WINDOWED, FULL = f"pagedfuse, window {WINDOW}", "pagedfuse, full context"
 
 
 def _progress(total: int):
@@ -123,6 +132,49 @@ def cases(num_q_heads: int, num_kv_heads: int, head_dim: int):
             (FUSED_FP32, fused_fp32, kv_fp32), (FUSED_INT8, fused_int8, kv_int8)]
 
 
+def windowed_cases(dtype: torch.dtype = torch.bfloat16):
+    """(name, fn, bytes that must be read) for decode with and without the window."""
+    num_q_heads, num_kv_heads, head_dim = WINDOW_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = WINDOW_BATCH * WINDOW_LENGTH // PAGE
+    shape = (num_blocks, PAGE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(WINDOW_BATCH, num_q_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen).view(WINDOW_BATCH, -1).to(torch.int32)
+    seq_lens = torch.full((WINDOW_BATCH,), WINDOW_LENGTH, dtype=torch.int32)
+    starts = torch.arange(WINDOW_BATCH + 1, dtype=torch.int32)
+    args = (query, k_cache, v_cache, table, seq_lens, starts, head_dim**-0.5, True)
+
+    def windowed():
+        return torch.ops.pagedfuse.paged_attention(*args, window_left=WINDOW)
+
+    def full():
+        return torch.ops.pagedfuse.paged_attention(*args)
+
+    per_key = 2 * num_kv_heads * head_dim * k_cache.element_size()  # K and V of one key
+    return [(WINDOWED, windowed, WINDOW_BATCH * WINDOW * per_key),
+            (FULL, full, WINDOW_BATCH * WINDOW_LENGTH * per_key)]
+
+
+def windowed_table(reps: int, warmup: int, flush: torch.Tensor | None,
+                   copy_gbs: float) -> list[str]:
+    """Markdown lines: each call's time, the bytes it must read, and the window's floor."""
+    rows = ["| impl | ms | MiB read | GB/s | of copy BW | window floor ms | of floor |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    times, floor_ms = {}, 0.0
+    for name, fn, nbytes in windowed_cases():
+        ms = times[name] = median_ms(fn, reps, warmup, flush)
+        if name == WINDOWED:
+            floor_ms = nbytes / (copy_gbs * 1e6)
+        gbs = nbytes / (ms * 1e6)
+        rows.append(f"| {name} | {ms:.2f} | {nbytes / 2**20:.0f} | {gbs:.1f} "
+                    f"| {gbs / copy_gbs:.0%} | {floor_ms:.2f} | {floor_ms / ms:.0%} |")
+    rows += ["", f"window {WINDOW} of {WINDOW_LENGTH}: {times[FULL] / times[WINDOWED]:.2f}x "
+                 f"faster than the full context (the bytes: {WINDOW_LENGTH / WINDOW:.0f}x)"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10, help="timed runs per case (median)")
@@ -159,6 +211,7 @@ def main() -> None:
                        f"int8 {times[FUSED_FP32] / times[FUSED_INT8]:.2f}x fp32")
     if bar is not None:
         bar.close()
+    windowed_rows = windowed_table(args.reps, args.warmup, flush, copy_gbs)
 
     invocation = shlex.join([sys.executable, *sys.argv])
     command = f"PAGEDFUSE_CPU_ISA={envs.PAGEDFUSE_CPU_ISA} {invocation}"
@@ -173,7 +226,10 @@ def main() -> None:
         + (f"{args.flush_mib} MiB rewritten before each run (K/V come from memory)"
            if args.flush_mib else "caches left warm"),
         f"- measured copy bandwidth (read + write): {copy_gbs:.1f} GB/s\n",
-        header, *rows, "", "pagedfuse speed-ups: " + "; ".join(summary), ""])
+        header, *rows, "", "pagedfuse speed-ups: " + "; ".join(summary), "",
+        f"### Windowed decode, B={WINDOW_BATCH}, L={WINDOW_LENGTH}, window {WINDOW}, "
+        f"(Hq, Hkv, D) {WINDOW_SHAPE}, bf16 cache, causal\n",
+        *windowed_rows, ""])
     print(section)
     if args.out:
         with open(args.out, "w") as f:

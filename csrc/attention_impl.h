@@ -1,6 +1,7 @@
 // The per-item attention kernel, written once over an ISA's primitives (dots_rows,
-// dots_rows_i8, pv_tile, scale_row, exp_sub_sum). Included inside namespace pagedfuse::<isa>
-// by each attention_<isa>.cpp, so every ISA gets its own copy compiled for its target.
+// dots_rows_i8, pv_tile, scale_row, exp_sub_sum, softcap_row). Included inside namespace
+// pagedfuse::<isa> by each attention_<isa>.cpp, so every ISA gets its own copy compiled for
+// its target.
 //
 // One item = some query tokens of one sequence x all query heads x a range of keys. Keys are
 // taken kTile at a time, all KV heads of a page together (so pages stream in sequentially);
@@ -8,6 +9,7 @@
 // hot, so each K/V page is read from memory once per item.
 
 inline int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+inline int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 inline float maxf(float x, float y) { return x > y ? x : y; }
 
 // Keys [j0, j0 + n) of one sequence: row pointers and scale offsets of KV head 0 (KV head
@@ -152,25 +154,34 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
   }
 
-  // Causal (bottom-right): the item's local token i sees keys < first_end + i (none where
-  // that is <= 0: a sequence may have more query tokens than keys).
+  // Local token i of the item sits at position first_end - 1 + i (bottom-right aligned, maybe
+  // negative: a sequence may have more query tokens than keys). It reads keys < first_end + i
+  // under causal, and with a window only keys >= first_end + i - window_left. The item walks
+  // keys [begin, end): the union of its rows' ranges within [key0, key1), so a window's keys
+  // are the only ones read.
   const int64_t first_end = a.seq_lens[it.b] - q_len + it.tok0 + 1;
   const int64_t end = a.causal ? min64(it.key1, first_end + it.ntok - 1) : it.key1;
-  // Keys of the tile from j0 that local token i reads (<= 0: none).
+  const int64_t begin = a.window_left > 0 ? max64(it.key0, first_end - a.window_left)
+                                          : it.key0;
+  // Keys [lo, hi) of the tile from j0 that local token i reads (hi <= lo: none). Both bounds
+  // grow with i, so the first and last tokens agree only if every token does.
+  struct Span { int64_t lo, hi; };
   auto keys_read = [&](int64_t i, int64_t j0, int64_t tile_n) {
-    return min64(tile_n, (a.causal ? min64(end, first_end + i) : end) - j0);
+    const int64_t row_begin = a.window_left > 0 ? first_end + i - a.window_left : begin;
+    const int64_t row_end = a.causal ? min64(end, first_end + i) : end;
+    return Span{max64(0, row_begin - j0), min64(tile_n, row_end - j0)};
   };
   // A ring of three tiles: tile n is computed while tile n + 2 is prefetched, a slice per
   // row, so every request has at least one tile of compute to arrive in.
   Tile<KT, VT> tiles[3];
   HeadTile<KT, VT> ht;
   for (int64_t k = 0; k < 2; ++k) {
-    const int64_t j = it.key0 + k * kTile;
+    const int64_t j = begin + k * kTile;
     if (j >= end) break;
     gather_tile(a, blocks, j, min64(kTile, end - j), tiles[k]);
     if (kPrefetch) prefetch_keys(a, tiles[k], 0, tiles[k].n);
   }
-  for (int64_t j0 = it.key0, cur = 0; j0 < end; j0 += kTile, cur = (cur + 1) % 3) {
+  for (int64_t j0 = begin, cur = 0; j0 < end; j0 += kTile, cur = (cur + 1) % 3) {
     const Tile<KT, VT>& t = tiles[cur];
     Tile<KT, VT>& ahead = tiles[(cur + 2) % 3];
     const bool more = j0 + 2 * kTile < end;
@@ -178,29 +189,33 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
     for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
       head_tile(a, t, kvh, ht);
       // Scores of the G rows of each token at once, then the online-softmax update row by
-      // row; p ends up holding the weights of V (softmax numerators times the V scale), 0
-      // for masked keys and for keys the row does not read. A NaN or +inf score makes the
-      // row NaN (m = NaN marks it), as in SDPA.
+      // row; p[lo, hi) ends up holding the weights of V (softmax numerators times the V
+      // scale), 0 for masked keys. A NaN or +inf score (after the soft cap, which takes
+      // +-inf to +-softcap) makes the row NaN (m = NaN marks it), as in SDPA.
       for (int64_t i = 0; i < it.ntok; ++i) {
         const int64_t r0 = kvh * per_head + i * G;
-        const int64_t n = keys_read(i, j0, t.n);
+        const Span rd = keys_read(i, j0, t.n);
+        const int64_t lo = rd.lo, n = rd.hi - rd.lo;  // n <= 0: the token reads no key here
         if (n > 0) {
           if constexpr (kInt8) {
             const int64_t qrow = token(r0) * Hq + head(r0);
-            dots_rows_i8(a.q_i8 + qrow * D, a.q_sum + qrow, G, ht.k, n, D, s + r0 * kTile);
+            dots_rows_i8(a.q_i8 + qrow * D, a.q_sum + qrow, G, ht.k + lo, n, D,
+                         s + r0 * kTile + lo);
           } else {
-            dots_rows(q + r0 * D, G, ht.k, n, D, s + r0 * kTile);
+            dots_rows(q + r0 * D, G, ht.k + lo, n, D, s + r0 * kTile + lo);
           }
         }
         for (int64_t r = r0; r < r0 + G; ++r) {
-          float* p = s + r * kTile;
+          float* p = s + r * kTile + lo;
           if (kPrefetch && more) {  // a slice of tile n + 2 per row keeps requests spread
             prefetch_keys(a, ahead, r * ahead.n / rows, (r + 1) * ahead.n / rows);
           }
-          int64_t live = 0;  // keys whose p holds a softmax numerator
-          if (n > 0 && !std::isnan(m[r])) {
-            for (int64_t j = 0; j < n; ++j) p[j] *= q_mul[r] * ht.k_scale[j];
-            if (a.bias_kind) apply_bias(a, it.b, head(r), it.tok0 + i, j0, n, p);
+          if (n <= 0) continue;
+          bool live = false;  // p holds softmax numerators
+          if (!std::isnan(m[r])) {
+            for (int64_t j = 0; j < n; ++j) p[j] *= q_mul[r] * ht.k_scale[lo + j];
+            if (a.softcap > 0.0f) softcap_row(p, n, a.softcap);
+            if (a.bias_kind) apply_bias(a, it.b, head(r), it.tok0 + i, j0 + lo, n, p);
             float tile_max = -INFINITY;
             int bad = 0;  // a NaN or +inf score
 #pragma omp simd reduction(max : tile_max) reduction(| : bad)
@@ -216,27 +231,32 @@ void run_item_typed(const PagedArgs& a, const WorkItem& it, float* ws, const Par
               l[r] = l[r] * alpha + exp_sub_sum(p, n, m_new);
               m[r] = m_new;
               if (alpha != 1.0f) scale_row(acc + r * D, alpha, D);
-              live = n;
+              live = true;
             }
           }
-          for (int64_t j = live; j < t.n; ++j) p[j] = 0.0f;
+          if (!live) {
+            for (int64_t j = 0; j < n; ++j) p[j] = 0.0f;
+          }
           // A masked key (weight 0) still multiplies its V: 0 times a NaN or Inf is NaN.
-          for (int64_t j = 0; j < n; ++j) p[j] *= ht.v_scale[j];
+          for (int64_t j = 0; j < n; ++j) p[j] *= ht.v_scale[lo + j];
         }
       }
       // P.V over the keys each row reads: one pass for all rows where every token reads the
-      // same keys of the tile, else token by token (the causal diagonal), so a key a row
-      // does not read never multiplies into it.
-      const int64_t n_first = keys_read(0, j0, t.n), n_last = keys_read(it.ntok - 1, j0, t.n);
-      if (n_first == n_last) {
-        if (n_last > 0) {
-          pv_tile(acc + kvh * per_head * D, per_head, D, s + kvh * per_head * kTile, ht.v,
-                  n_last);
+      // same keys of the tile, else token by token (the causal diagonal, a window's start),
+      // so a key a row does not read never multiplies into it.
+      const Span first = keys_read(0, j0, t.n), last = keys_read(it.ntok - 1, j0, t.n);
+      if (first.lo == last.lo && first.hi == last.hi) {
+        if (last.hi > last.lo) {
+          pv_tile(acc + kvh * per_head * D, per_head, D, s + kvh * per_head * kTile + last.lo,
+                  ht.v + last.lo, last.hi - last.lo);
         }
       } else {
         for (int64_t i = 0; i < it.ntok; ++i) {
-          const int64_t r0 = kvh * per_head + i * G, n = keys_read(i, j0, t.n);
-          if (n > 0) pv_tile(acc + r0 * D, G, D, s + r0 * kTile, ht.v, n);
+          const int64_t r0 = kvh * per_head + i * G;
+          const Span rd = keys_read(i, j0, t.n);
+          if (rd.hi > rd.lo) {
+            pv_tile(acc + r0 * D, G, D, s + r0 * kTile + rd.lo, ht.v + rd.lo, rd.hi - rd.lo);
+          }
         }
       }
     }

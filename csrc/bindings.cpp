@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -73,6 +74,12 @@ PagedArgs parse(const py::dict& d) {
   a.block_size = int_arg(d, "block_size");
   a.scale = field(d, "scale").cast<float>();
   a.causal = field(d, "causal").cast<bool>();
+  a.window_left = int_arg(d, "window_left");
+  a.softcap = field(d, "softcap").cast<float>();
+  if (a.window_left < 0 || !(a.softcap >= 0.0f) || std::isinf(a.softcap)) {
+    throw std::invalid_argument("window_left must be >= 0 and softcap finite and >= 0 "
+                                "(0: off)");
+  }
   a.threads = static_cast<int>(int_arg(d, "threads"));
   return a;
 }

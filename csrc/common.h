@@ -118,6 +118,8 @@ struct PagedArgs {
   int64_t num_tokens, num_q_heads, num_kv_heads, head_dim, batch, block_size;
   float scale;
   bool causal;
+  int64_t window_left;  // > 0: a query at position p reads keys j > p - window_left; 0: all
+  float softcap;        // > 0: scores become softcap * tanh(score / softcap); 0: off
   int threads;
   // INT8 only, filled by the dispatcher: the query quantized once per token and head.
   const int8_t* q_i8;      // [T, Hq, D]

@@ -32,7 +32,7 @@ struct Plan {
 };
 
 // Items over (sequence, chunk of query tokens); sequences with a single chunk are also split
-// along the context when the items alone would leave threads idle.
+// along the keys they read when the items alone would leave threads idle.
 Plan make_plan(const PagedArgs& a) {
   const int64_t chunk = std::max<int64_t>(1, kMaxRows / a.num_q_heads);
   int64_t base = 0;
@@ -47,16 +47,21 @@ Plan make_plan(const PagedArgs& a) {
     const int64_t len = a.seq_lens[b];
     if (q_len == 0) continue;
     const int64_t chunks = ceil_div(q_len, chunk);
-    int64_t span = len, nsplit = 1;
+    // With a window no token reads a key before the first token's window: splits cover
+    // [first, len) only (each item narrows its range further to its own tokens' windows).
+    const int64_t first =
+        a.window_left > 0 ? std::clamp(len - q_len + 1 - a.window_left, int64_t(0), len) : 0;
+    int64_t span = len - first, nsplit = 1;
     if (chunks == 1 && factor > 1) {  // a sequence without keys still has its one item
-      span = ceil_div(std::max(kMinSplitKeys, ceil_div(len, factor)), kTile) * kTile;
-      nsplit = std::max<int64_t>(1, ceil_div(len, span));
+      span = ceil_div(std::max(kMinSplitKeys, ceil_div(len - first, factor)), kTile) * kTile;
+      nsplit = std::max<int64_t>(1, ceil_div(len - first, span));
     }
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t tok0 = c * chunk, ntok = std::min(chunk, q_len - tok0);
       plan.max_rows = std::max(plan.max_rows, ntok * a.num_q_heads);
       for (int64_t s = 0; s < nsplit; ++s) {
-        plan.items.push_back({b, tok0, ntok, s * span, std::min(len, (s + 1) * span), nsplit,
+        plan.items.push_back({b, tok0, ntok, first + s * span,
+                              std::min(len, first + (s + 1) * span), nsplit,
                               plan.partial_rows + s * q_len});
       }
     }

@@ -64,3 +64,9 @@ inline float exp_sub_sum(float* s, int64_t n, float m) {
   }
   return sum;
 }
+
+// s[j] = cap * tanh(s[j] / cap) for j < n: +-inf become +-cap, a NaN stays NaN.
+inline void softcap_row(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] * inv);
+}

@@ -10,14 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.backends import OPTIONS_STAND_IN, registered
+from helpers.backends import NO_OPTIONS, OPTIONS_STAND_IN, registered, without_backends
 from helpers.capture import count_calls
 from helpers.differential import differential
 from helpers.programs import PAGED, TOL, Spec, compile_fn, make_case, op_node
 
 from pagedfuse.numerics import max_rel_err
-
-NEEDS_KERNELS = pytest.mark.xfail(strict=True, reason="needs the window/softcap kernels")
 
 
 def gathered(kc, vc, bt, group):
@@ -155,19 +153,24 @@ def test_softcap_is_read_and_held_to_eager(cap):
     assert checks["softcap"].startswith(f"softcap {cap:g}")
 
 
-@NEEDS_KERNELS
 def test_softcap_site_is_rewritten():
+    """With the CPU kernel itself: rewritten with softcap, and equal to eager."""
     case = make_case(Spec(), q_len=3)
-    capture, report, _ = compile_fn(capped_program(50.0), case.args())
+    fn = capped_program(50.0)
+    capture, report, out = compile_fn(fn, case.args())
     assert report.num_rewritten == 1, str(report)
+    assert op_node(capture).kwargs == {"softcap": 50.0}
+    assert max_rel_err(out, fn(*case.args())) < TOL[torch.float32]
 
 
 def test_softcap_site_says_which_kernel_lacks_it():
-    """Until the kernels implement the cap, the site stays as written, saying why."""
+    """Where the device's kernels lack the cap, the site stays as written, saying why."""
     case = make_case(Spec(), q_len=3)
-    capture, report, out = compile_fn(capped_program(50.0), case.args())
+    with without_backends("cpu"), registered(NO_OPTIONS):
+        capture, report, out = compile_fn(capped_program(50.0), case.args())
     failed = report.sites[0].first_failure
-    assert failed.name == "kernel" and "cpu: softcap: not in the cpu kernel yet" in failed.reason
+    assert failed.name == "kernel"
+    assert "no_options: softcap: not in the no_options kernel yet" in failed.reason
     assert capture.count(*PAGED) == 0
 
 

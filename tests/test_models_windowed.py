@@ -1,6 +1,7 @@
-"""The Gemma2-like preset (a sliding window and a soft cap): the decoder against a dense
-oracle written here, and its compiled sites (decode: a length mask with the window's start,
-read as seq_lens and window_left hints; prefill: a bias) rewritten to the op with softcap."""
+"""The Gemma2-like preset (a sliding window and a soft cap): the decoder and the package's
+dense reference against a dense oracle written here, and its compiled sites (decode: a length
+mask with the window's start, read as seq_lens and window_left hints; prefill: a bias)
+rewritten to the op with softcap, with a stand-in kernel and with the CPU kernels."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ from helpers.backends import OPTIONS_STAND_IN, registered
 from helpers.capture import Capture
 
 import pagedfuse
-from pagedfuse.models import PRESETS, PagedDecoder, generate, preset
-from pagedfuse.models.presets import WINDOWED_PRESETS
+from pagedfuse.models import PRESETS, PagedDecoder, dense_reference_logits, generate, preset
 from pagedfuse.numerics import max_rel_err
 
 BATCH, PROMPT_LEN, STEPS = 2, 6, 4
-NEEDS_KERNELS = pytest.mark.xfail(strict=True, reason="needs the window/softcap kernels")
 
 
 def small_gemma2(**overrides) -> PagedDecoder:
@@ -55,10 +54,9 @@ def _prompts(vocab: int) -> torch.Tensor:
 
 
 def test_the_preset_is_gemma2s_attention():
-    config = WINDOWED_PRESETS["gemma2"]
+    config = PRESETS["gemma2"]  # the demo and tests/test_models.py sweep PRESETS
     assert (config.num_q_heads, config.num_kv_heads, config.head_dim) == (16, 8, 256)
     assert (config.sliding_window, config.softcap) == (4096, 50.0)
-    assert "gemma2" not in PRESETS  # the demo sweeps PRESETS: not until the kernels exist
     with pytest.raises(ValueError, match="^sliding_window: "):
         preset("gemma2", sliding_window=0)
     with pytest.raises(ValueError, match="^softcap: "):
@@ -70,6 +68,12 @@ def test_decoder_matches_the_dense_oracle():
     gen = generate(model, _prompts(model.config.vocab_size), STEPS)
     want = dense_logits(small_gemma2(), gen.tokens[:, :-1])
     assert max_rel_err(gen.logits, want) <= 1e-4
+
+
+def test_the_dense_reference_applies_the_window_and_the_cap():
+    tokens = generate(small_gemma2(), _prompts(512), STEPS).tokens[:, :-1]
+    want = dense_logits(small_gemma2(), tokens)
+    assert max_rel_err(dense_reference_logits(small_gemma2(), tokens), want) <= 1e-5
 
 
 def test_window_and_cap_change_the_logits():
@@ -104,7 +108,8 @@ def test_compiled_sites_are_rewritten_with_the_options_and_held_to_eager():
     assert max_rel_err(got.logits, eager.logits) <= 1e-4
 
 
-@NEEDS_KERNELS
 def test_compiled_sites_are_rewritten():
-    _, _, report, _ = _compiled_run(small_gemma2())
+    """With the CPU kernels themselves: every site rewritten, logits as eager's."""
+    eager, got, report, _ = _compiled_run(small_gemma2())
     assert report.num_sites == report.num_rewritten > 0, str(report)
+    assert max_rel_err(got.logits, eager.logits) <= 1e-4

@@ -1,8 +1,8 @@
 """The ops' options ``window_left`` and ``softcap``: their semantics against an independent
-float64 oracle, argument checks (eager and at trace time), opcheck, how the kernel backends
-that do not implement them yet decline (the op then runs the reference), and the rewrite of
-sliding-window masks to window_left (held to eager with a stand-in for the window kernels;
-the soft cap's rewrite is in test_explicit_attention.py).
+float64 oracle, argument checks (eager and at trace time), opcheck, how a kernel backend
+that does not implement them declines, and the rewrite of sliding-window masks to
+window_left (held to eager with a stand-in that runs the reference; the soft cap's rewrite is
+in test_explicit_attention.py, the kernels' numerics in test_window_kernels.py).
 
 The semantics: sequence b's query token t of q_len sits at position p = seq_len - q_len + t
 and, with ``window_left`` W, reads only keys j > p - W (with ``causal`` too: (p - W, p]);
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import programs
-from helpers.backends import OPTIONS_STAND_IN, registered
+from helpers.backends import NO_OPTIONS, OPTIONS_STAND_IN, registered, without_backends
 from helpers.cases import make_case
 from torch.library import opcheck
 
@@ -108,8 +108,7 @@ def test_reference_matches_the_oracle(name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_op_matches_the_oracle_on_the_cpu(name):
-    """Through torch.ops.pagedfuse: no CPU kernel implements the options yet, so the op runs
-    the reference (the contract holds everywhere, only the speed differs)."""
+    """Through torch.ops.pagedfuse, which runs the CPU kernel."""
     case = make_case(**CASES[name], seed=len(name))
     got = case.run_op()
     assert numerics.rel_err(got, oracle(case)) <= numerics.kernel_tolerance(torch.float32)
@@ -138,7 +137,7 @@ def test_int8_window_and_softcap_match_the_oracle(window_left):
 def test_window_beyond_every_context_is_no_window():
     case = make_case(seq_lens=(37, 20, 5), q_lens=(2, 3, 5), causal=True, seed=9)
     windowed = case.with_(window_left=38).run_op()
-    assert torch.equal(windowed, case.reference(dtype=torch.float32))
+    assert torch.equal(windowed, case.run_op())
 
 
 def _args(case) -> dict:
@@ -174,32 +173,44 @@ def test_opcheck_with_options():
             {"window_left": 2, "softcap": 5.0})
 
 
+OPTION_SETS = ((dict(window_left=8), "window_left"), (dict(softcap=5.0), "softcap"),
+               (dict(window_left=8, softcap=5.0), "window_left, softcap"))
+
+
 def test_kernels_without_the_options_decline_with_a_reason():
+    """On a device whose only kernel lacks the options (NO_OPTIONS), a call using them is
+    declined with the names, and no backend is chosen; the CPU kernels take them all."""
     case = make_case(seed=4)
-    for options, names in ((dict(window_left=8), "window_left"), (dict(softcap=5.0), "softcap"),
-                           (dict(window_left=8, softcap=5.0), "window_left, softcap")):
+    for options, _ in OPTION_SETS:
         call = case.with_(**options).call()
-        for backend in all_backends():
-            why = reason(backend, call)
-            if backend.device is None:
-                assert why is None, backend.name  # the reference serves every call
-            elif backend.device == "cpu":
-                assert why == f"{names}: not in the cpu kernel yet"
-        report = support_report(case.op, case.query, case.key_cache, case.value_cache,
-                                case.block_table, case.seq_lens, case.query_start_loc,
-                                **options)
-        assert report.chosen is None and f"cpu: {names}: not in the cpu kernel yet" in str(report)
+        assert [b.name for b in all_backends() if b.device in (None, "cpu")
+                and reason(b, call) is not None] == []
+    with without_backends("cpu"), registered(NO_OPTIONS):
+        for options, names in OPTION_SETS:
+            call = case.with_(**options).call()
+            assert reason(NO_OPTIONS, call) == f"{names}: not in the no_options kernel yet"
+            assert reason(get_backend("reference"), call) is None
+            report = support_report(case.op, case.query, case.key_cache, case.value_cache,
+                                    case.block_table, case.seq_lens, case.query_start_loc,
+                                    **options)
+            assert report.chosen is None
+            assert f"no_options: {names}: not in the no_options kernel yet" in str(report)
 
 
 def test_a_forced_backend_without_the_option_is_an_error(monkeypatch):
     case = make_case(seed=4)
-    monkeypatch.setenv("PAGEDFUSE_BACKEND", "cpu")
-    with pytest.raises(ValueError, match="PAGEDFUSE_BACKEND=cpu cannot run this call: "
-                                         "window_left: not in the cpu kernel yet"):
-        OPS.paged_attention(**_args(case), window_left=3)
+    with registered(NO_OPTIONS):
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", "no_options")
+        with pytest.raises(ValueError, match="PAGEDFUSE_BACKEND=no_options cannot run this "
+                                             "call: window_left: not in the no_options "
+                                             "kernel yet"):
+            OPS.paged_attention(**_args(case), window_left=3)
     monkeypatch.setenv("PAGEDFUSE_BACKEND", "reference")
     got = OPS.paged_attention(**_args(case), window_left=3)
     assert torch.equal(got, case.with_(window_left=3).reference(dtype=torch.float32))
+    monkeypatch.setenv("PAGEDFUSE_BACKEND", "cpu")
+    got = OPS.paged_attention(**_args(case), window_left=3)
+    assert numerics.rel_err(got, oracle(case.with_(window_left=3))) <= 1e-4
 
 
 def test_the_choice_per_signature_tells_the_options_apart():
@@ -226,9 +237,6 @@ def test_reference_keyword_defaults_are_off():
 
 
 # --- the rewrite: sliding-window masks read as window_left ------------------------------------
-
-NEEDS_KERNELS = pytest.mark.xfail(strict=True, reason="needs the window/softcap kernels")
-
 
 def windowed(mask_fn):
     """Paged attention whose mask ``mask_fn(q_len, keys, sl)`` is a sliding window."""
@@ -331,17 +339,22 @@ def test_a_window_that_is_not_the_ops_stays_attn_bias():
     assert numerics.max_rel_err(out, fn(*case.args())) < 1e-4
 
 
-@NEEDS_KERNELS
 def test_window_site_is_rewritten():
+    """With the CPU kernel itself: rewritten with window_left, and equal to eager."""
     case = _window_case(4, False)
-    _, report, _ = programs.compile_fn(windowed(_bottom_right), case.args())
+    fn = windowed(_bottom_right)
+    capture, report, out = programs.compile_fn(fn, case.args())
     assert report.num_rewritten == 1, str(report)
+    assert programs.op_node(capture).kwargs == {"window_left": W}
+    assert numerics.max_rel_err(out, fn(*case.args()), skip_nan_reference=True) < \
+        programs.TOL[torch.float32]
 
 
 def test_window_site_says_which_kernel_lacks_it():
     case = _window_case(4, False)
-    capture, report, _ = programs.compile_fn(windowed(_bottom_right), case.args())
+    with without_backends("cpu"), registered(NO_OPTIONS):
+        capture, report, _ = programs.compile_fn(windowed(_bottom_right), case.args())
     failed = report.sites[0].first_failure
     assert failed.name == "kernel"
-    assert "cpu: window_left: not in the cpu kernel yet" in failed.reason
+    assert "no_options: window_left: not in the no_options kernel yet" in failed.reason
     assert capture.count(*programs.PAGED) == 0

@@ -72,6 +72,10 @@ def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) 
     bias, bias_kind, bias_strides = _bias_args(call.attn_bias, geo.batch, geo.num_q_heads)
     key_scale_ptr, key_scale_strides = _scale_args(call.key_scale)
     value_scale_ptr, value_scale_strides = _scale_args(call.value_scale)
+    # 0: no window (a window is >= 1); one as long as the table holds keys hides none:
+    # clamped there, the kernel's position arithmetic cannot overflow
+    window = 0 if call.window_left is None else min(call.window_left,
+                                                    geo.max_blocks * geo.block_size)
     ext.paged_attention({
         "out": out.data_ptr(),
         "query": query.data_ptr(),
@@ -103,6 +107,8 @@ def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) 
         "block_size": geo.block_size,
         "scale": float(call.scale),
         "causal": bool(call.causal),
+        "window_left": window,
+        "softcap": float(call.softcap or 0.0),  # 0: no cap (a cap is > 0)
         "threads": torch.get_num_threads(),
     })
 

@@ -12,13 +12,20 @@ Q·K^T is an int8 tl.dot with int32 accumulation, scaled by q_scale * k_scale * 
 the softmax. INT8 V (V_INT8): the per-token V scales are folded into P, P is quantized per
 row and P·V is an int8 tl.dot too, so V is never converted element by element.
 
+WINDOW: a query at position p reads keys j > p - window_left only, and the programs walk
+only those: the splits divide the keys from the first query's window on, and each block of
+query rows starts its loop at its first row's window. SOFTCAP: a score s (scale applied)
+becomes softcap * tanh(s / softcap) before the bias, computed in the log2 domain as
+c * tanh(s / c) with c = softcap * log2(e). Both are constexpr flags, so a call without them
+compiles to the code it had before they existed.
+
 Non-finite values follow eager SDPA over the keys a row reads (as the reference does): a NaN
 or +inf score makes the row NaN (``bad``; its log-sum-exp is NaN for the combine), a bool
 mask adds -inf rather than replacing the score, and V enters as sum_j p_j v_j in IEEE
 arithmetic over the keys the row reads. The tensor-core P·V multiplies every key of the
 tile into every row, so a tile whose V (or V scale) is not finite where that would be wrong
-(a key some row does not read under causal prefill, or the quantized P of INT8 V) takes
-_pv_non_finite instead, at run time.
+(a key some row does not read under causal prefill or before a window's start, or the
+quantized P of INT8 V) takes _pv_non_finite instead, at run time.
 """
 
 from __future__ import annotations
@@ -57,11 +64,26 @@ def _pv_non_finite(p, v, reads):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32: below |x| = 0.25 its odd Taylor polynomial to x^9 (relative error
+    < 1e-8), from there (1 - e) / (1 + e) with e = 2^(-2|x| log2 e), which loses at most two
+    bits to the subtraction. +-inf give +-1; a NaN stays NaN (it reaches the far branch)."""
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * 1.4426950408889634))
+    far = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    near = ax * (1.0 + x2 * (-1.0 / 3 + x2 * (2.0 / 15 + x2 * (-17.0 / 315
+                                                                + x2 * (62.0 / 2835)))))
+    r = tl.where(ax < 0.25, near, far)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
 def _attend_rows(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     b, kvh, split, qb, seq_len, q_start, q_len, kv_lo, kv_hi,
-    sm_scale_log2, num_tokens, num_blocks,
+    sm_scale_log2, softcap_log2, window_left, num_tokens, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
     stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
@@ -69,8 +91,10 @@ def _attend_rows(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     INT8_K: tl.constexpr, V_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_BOOL: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """Attention of QT query tokens x the group's heads over keys [kv_lo, kv_hi)."""
+    """Attention of QT query tokens x the group's heads over keys [kv_lo, kv_hi), with
+    WINDOW from the first row's window on."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     g = offs_m % GROUP_PAD
@@ -87,12 +111,15 @@ def _attend_rows(
     hi = kv_hi
     if CAUSAL:
         hi = tl.minimum(hi, seq_len - q_len + qb * QT + QT)
+    lo = kv_lo
+    if WINDOW:  # the first row's window starts first (each later row's one key later)
+        lo = tl.maximum(lo, seq_len - q_len + qb * QT + 1 - window_left)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bad = tl.zeros([BLOCK_M], tl.int32)  # rows with a NaN or +inf score
-    for start in range(kv_lo, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
@@ -110,9 +137,13 @@ def _attend_rows(
             s = qk * (q_scale[:, None] * k_scale[None, :]) * sm_scale_log2
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        if SOFTCAP:
+            s = softcap_log2 * _tanh(s * (1.0 / softcap_log2))
         reads = n_ok[None, :] & row_ok[:, None]  # the keys each row reads
         if CAUSAL:
             reads = reads & (offs_n[None, :] <= last_key[:, None])
+        if WINDOW:
+            reads = reads & (offs_n[None, :] > (last_key - window_left)[:, None])
         if HAS_BIAS:
             bias_off = (b * stride_ab + head[:, None] * stride_ah
                         + tl.minimum(t, bias_rows - 1)[:, None] * stride_am
@@ -150,6 +181,16 @@ def _attend_rows(
                 part = _pv_non_finite(p, v.to(tl.float32), reads)
             else:
                 part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        elif WINDOW:  # rows skip keys of a tile only at a window's start: V is checked there
+            skipped = n_ok[None, :] & row_ok[:, None] & ~reads
+            if tl.max(tl.max(skipped.to(tl.int32), axis=1), axis=0) > 0:
+                v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
+                if tl.max(tl.max(v_bad.to(tl.int32), axis=1), axis=0) > 0:
+                    part = _pv_non_finite(p, v.to(tl.float32), reads)
+                else:
+                    part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            else:
+                part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         else:
             part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + part
@@ -173,7 +214,7 @@ def _attend_rows(
 def paged_attention_kernel(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
-    sm_scale_log2, num_tokens, num_blocks, max_blocks,
+    sm_scale_log2, softcap_log2, window_left, num_tokens, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
@@ -181,10 +222,12 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     INT8_K: tl.constexpr, V_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_BOOL: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (batch, num_kv_heads, num_splits). Lengths and starts are clamped so that bad
-    values (unchecked on the GPU) can never move a read outside the cache or the table."""
+    values (unchecked on the GPU) can never move a read outside the cache or the table.
+    Read only under their flags: ``softcap_log2`` (SOFTCAP), softcap * log2(e), and
+    ``window_left`` (WINDOW), >= 1."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,8 +237,11 @@ def paged_attention_kernel(
     q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
     q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
     q_len = q_end - q_start
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * chunk
+    first = 0  # the first key any query of the sequence reads: the splits start there
+    if WINDOW:
+        first = tl.maximum(seq_len - q_len + 1 - window_left, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = first + split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, seq_len)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
     num_q_blocks = 1 if DECODE else tl.cdiv(q_len, QT)
@@ -204,12 +250,12 @@ def paged_attention_kernel(
             q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr,
             out_ptr, part_o_ptr, part_lse_ptr,
             b, kvh, split, qb, seq_len, q_start, q_len, kv_lo, kv_hi,
-            sm_scale_log2, num_tokens, num_blocks,
+            sm_scale_log2, softcap_log2, window_left, num_tokens, num_blocks,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
             stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
             GROUP, GROUP_PAD, QT, BLOCK_M, BLOCK_N, HEAD_DIM, PAGE,
-            INT8_K, V_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL, DIRECT, PRECISION,
+            INT8_K, V_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL, DIRECT, PRECISION, WINDOW, SOFTCAP,
         )
 
 

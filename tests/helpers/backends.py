@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedfuse.ops.backends import Backend, backends_for, register_backend, unregister_backend
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.reference import paged_attention_reference
 
 
@@ -33,12 +33,25 @@ def _reference(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
         call.value_scale, window_left=call.window_left, softcap=call.softcap))
 
 
-# Stands in for the window and soft-cap kernels on the CPU (they come later): the rewrite's
-# kernel check then passes for sites that use them, so tests can hold the rewritten program
-# to eager. It runs the reference, the op's definition.
+# Takes the calls that use window_left or softcap ahead of the CPU kernels and runs the
+# reference, the op's definition: tests hold the rewrite of such sites to eager apart from the
+# kernels' rounding (the kernels are held to the reference in test_window_kernels.py).
 OPTIONS_STAND_IN = Backend(name="options_stand_in", device="cpu", priority=1000,
                            head_dims={FLOAT_OP: None, INT8_OP: None}, supports=_options_only,
                            run=_reference)
+
+
+def _no_options(call: PagedCall) -> str | None:
+    return options_missing(call, "no_options")
+
+
+# A CPU kernel backend without window_left and softcap, as a new backend starts out: it takes
+# every other call (running the reference) and declines calls that use them with its reason.
+# Registered where the device's own kernels are removed (without_backends), the rewrite and
+# the op see a device whose kernels lack the options.
+NO_OPTIONS = Backend(name="no_options", device="cpu", priority=1000,
+                     head_dims={FLOAT_OP: None, INT8_OP: None}, supports=_no_options,
+                     run=_reference)
 
 
 @contextlib.contextmanager

@@ -12,9 +12,8 @@ FLOAT_HEAD_DIMS = frozenset({32, 64, 80, 96, 128, 160, 192, 256})
 INT8_HEAD_DIMS = frozenset({64, 128, 256})
 
 
-
 def supports(call: PagedCall) -> str | None:
-    return options_missing(call, "cpu")
+    return options_missing(call, "cpu", implemented=("window_left", "softcap"))
 
 
 BACKEND = register_backend(Backend(

@@ -1,6 +1,6 @@
 """The Triton attention kernel (triton_paged.py) as a backend: every CUDA call at its head
-dims, any q_len, attn_bias, every cache format; the CUDA C++ decode outranks it where that
-applies."""
+dims, any q_len, attn_bias, every cache format, window_left and softcap; the CUDA C++ decode
+outranks it where that applies."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     (the benchmarks' sweeps)."""
     g, device = call.geometry, call.device
     chosen = launch_plan(g.num_tokens, g.num_q_heads, g.num_kv_heads, g.head_dim, g.batch,
-                         call.context_bound, call.max_query_len, cuda.sm_count(device),
+                         keys_bound(call), call.max_query_len, cuda.sm_count(device),
                          config or launch_config(call.int8_k),
                          envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
     if splits is None:
@@ -77,8 +77,16 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     return chosen._replace(splits=splits)
 
 
+def keys_bound(call: PagedCall) -> int:
+    """An upper bound on the keys one sequence's program reads: the context, or with a window
+    the window plus the queries after the first (the splits divide only those keys)."""
+    if call.window_left is None:
+        return call.context_bound
+    return min(call.context_bound, call.window_left + call.query_bound - 1)
+
+
 def supports(call: PagedCall) -> str | None:
-    return options_missing(call, "triton")
+    return options_missing(call, "triton", implemented=("window_left", "softcap"))
 
 
 def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> None:
@@ -98,10 +106,14 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
     vs = call.value_scale if call.value_scale is not None else ks
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
     config = p.config
+    # A window as long as the table holds keys hides none: clamped there it stays an int32.
+    window = 0 if call.window_left is None else min(call.window_left,
+                                                    g.max_blocks * g.block_size)
     paged_attention_kernel[(g.batch, g.num_kv_heads, p.splits)](
         q, q_scale, key_cache, value_cache, ks, vs, call.block_table, call.seq_lens,
         call.query_start_loc, bias, out, part_o, part_lse,
-        call.scale * LOG2E, g.num_tokens, g.num_blocks, g.max_blocks,
+        call.scale * LOG2E, (call.softcap or 0.0) * LOG2E, window,
+        g.num_tokens, g.num_blocks, g.max_blocks,
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         *(ks.stride() if int8_k else (0, 0, 0)),
         *(vs.stride() if v_int8 else (0, 0, 0)),
@@ -112,6 +124,7 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
         CAUSAL=call.causal, HAS_BIAS=call.attn_bias is not None, BIAS_BOOL=bias_bool,
         DIRECT=p.splits == 1,
         PRECISION="ieee" if out.dtype == torch.float32 else "tf32", DECODE=p.decode,
+        WINDOW=call.window_left is not None, SOFTCAP=call.softcap is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if p.splits > 1:

@@ -1,0 +1,91 @@
+"""The Triton split-KV kernel (backend ``triton``) on CPU tensors, run by
+tests/test_window_kernels.py as ``TRITON_INTERPRET=1 python -m helpers.triton_interpret``:
+window_left and softcap against the float64 reference, fp32 and fp16 (the interpreter's bf16
+tl.dot is wrong), with the kernel's own split count and with 3 splits, and the
+non-finite cases. Prints "unsupported: ..." and exits 0 where the interpreter itself cannot
+run a loop with run-time bounds (some numpy versions); raises on any mismatch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from helpers.cases import Case
+from helpers.window_cases import POISONS, WINDOWS, poison_case, window_case
+from pagedfuse import numerics
+
+
+@triton.jit
+def _probe(x_ptr, n):
+    for i in range(0, n):
+        tl.store(x_ptr + i, i)
+
+
+def interpreter_problem() -> str | None:
+    """Why the interpreter cannot run the kernels here, or None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "TRITON_INTERPRET=1 is not set"
+    x = torch.zeros(3, dtype=torch.int32)
+    try:
+        _probe[(1,)](x, 3)
+    except Exception as err:  # noqa: BLE001 (any failure of the probe means: cannot run)
+        return f"{type(err).__name__}: {err}"
+    return None if x.tolist() == [0, 1, 2] else f"the probe wrote {x.tolist()}"
+
+
+def run(backend, c: Case, splits: int | None) -> torch.Tensor:
+    call = c.call(capability=False)
+    why = backend.supports(call)
+    assert why is None, why
+    return c.run_backend(backend, backend.make_plan(call, splits=splits) if splits else None)
+
+
+def in_dtype(c: Case, dtype: torch.dtype) -> Case:
+    """``c`` with its query and float caches in ``dtype`` (int8 caches stay int8)."""
+    floats = {name: getattr(c, name).to(dtype) for name in ("query", "key_cache", "value_cache")
+              if getattr(c, name).is_floating_point()}
+    return c.with_(**floats)
+
+
+def main() -> None:
+    problem = interpreter_problem()
+    if problem is not None:
+        print(f"unsupported: {problem}")
+        return
+    from pagedfuse.ops.backends import get_backend
+
+    triton_backend = get_backend("triton")
+    cases = [(f"w{w}-{'causal' if causal else 'noncausal'}", window_case(w, causal))
+             for w in WINDOWS for causal in (False, True)]
+    cases += [(f"w16-softcap-{kind}", window_case(16, True, kind=kind, softcap=5.0))
+              for kind in ("float", "int8_k", "int8_kv")]
+    cases += [("w7-noncausal-bias-softcap", window_case(7, False, bias="float",
+                                                        bias_shape="per_batch", softcap=2.0))]
+    checked = 0
+    # fp32 with the kernel's own split count (1 here), fp16 with 3 splits and the combine
+    for name, case in cases:
+        for dtype, splits in ((torch.float32, None), (torch.float16, 3)):
+            c = in_dtype(case, dtype)
+            tol = numerics.kernel_tolerance(dtype, c.call(capability=False).kind)
+            err = numerics.rel_err(run(triton_backend, c, splits), c.reference())
+            assert err <= tol, f"{name} {dtype} splits={splits}: rel err {err:.3g} > {tol}"
+            checked += 1
+    # Element-wise: fp32 to its rounding; int8 V through the int8 P.V, which quantizes P
+    for kind, tol, split_counts in (("float", 1e-4, (None, 3)), ("int8_kv", 4e-2, (3,))):
+        for where in POISONS:
+            c = poison_case(where, kind)
+            ref = c.reference()
+            for splits in split_counts:
+                got = run(triton_backend, c, splits)
+                torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol,
+                                           equal_nan=True, msg=lambda m, w=where, k=kind,
+                                           s=splits: f"{k} {w} splits={s}: {m}")
+                checked += 1
+    print(f"checked {checked} runs")
+
+
+if __name__ == "__main__":
+    main()

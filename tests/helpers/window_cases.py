@@ -1,0 +1,87 @@
+"""The window_left / softcap cases that each kernel runs (tests/test_window_kernels.py; the
+Triton kernel through helpers/triton_interpret.py): windows of 1, 7, 16, 4096 and longer than
+every context, with and without causal, decode and q_len > 1 in one call, and non-finite
+inputs placed relative to a window's edges.
+
+Non-finite cases use a block table without repeated blocks (helpers.cases.make_case reuses
+blocks across and within sequences), so one poisoned slot is exactly one key of one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helpers.cases import OUTSIDE, Case, make_case
+
+WINDOWS = (1, 7, 16, 4096, 1_000_000)  # the last is longer than every context
+NAN, INF = float("nan"), float("inf")
+
+
+def window_case(window: int, causal: bool, **overrides) -> Case:
+    """Three sequences with q_len 3, 5 and 1 (prefill rows and a decode row), the first
+    longer than the window where the window is 4096."""
+    long = 4500 if window == 4096 else 60
+    spec = dict(seq_lens=(long, 37, 20), q_lens=(3, 5, 1), num_q_heads=8, num_kv_heads=2,
+                head_dim=64, block_size=16, causal=causal, window_left=window, seed=window)
+    return make_case(**{**spec, **overrides})
+
+
+def distinct_blocks(case: Case, seed: int = 0) -> Case:
+    """``case`` with a block table whose sequences use distinct blocks of the cache (a
+    permutation), and ids outside the cache past each sequence's last block."""
+    block_size, num_blocks = case.key_cache.shape[1], case.key_cache.shape[0]
+    used = [math.ceil(n / block_size) for n in case.seq_lens.tolist()]
+    if sum(used) > num_blocks:
+        raise ValueError(f"distinct_blocks: {sum(used)} blocks in use, the cache has "
+                         f"{num_blocks}")
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.full(case.block_table.shape, num_blocks + OUTSIDE, dtype=torch.int64)
+    start = 0
+    for b, n in enumerate(used):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    return case.with_(block_table=table.to(case.block_table.dtype))
+
+
+# (name, where): a non-finite value in sequence 0 (seq_len 60, q_len 3 at positions 57..59,
+# window 7, not causal: row t reads keys 51 + t .. 59). "first_row_key" is key 51, which only
+# row 0 reads; "before_window" key 50, which no row reads.
+POISONS = ("q_inf", "q_neginf", "q_nan", "k_inf", "k_nan", "k_nan_before_window",
+           "v_nan_before_window", "v_inf_before_window", "k_nan_first_row_key",
+           "v_nan_first_row_key", "bias_posinf", "bias_nan")
+
+
+def poison_case(where: str, kind: str = "float", softcap: float = 3.0,
+                dtype: torch.dtype = torch.float32) -> Case:
+    """The case of POISONS with ``where`` placed (a float bias for the bias_* ones)."""
+    bias = "float" if where.startswith("bias") else None
+    case = make_case(seq_lens=(60, 37, 20), q_lens=(3, 5, 1), num_q_heads=4, num_kv_heads=2,
+                     head_dim=64, block_size=4, dtype=dtype, kind=kind, bias=bias,
+                     window_left=7, softcap=softcap, num_blocks=40, seed=11)
+    case = distinct_blocks(case, seed=11)
+    if case.attn_bias is not None:
+        case = case.with_(attn_bias=case.attn_bias.clamp(-3, 3))
+    case = case.with_(**{name: getattr(case, name).clone() for name in
+                         ("query", "key_cache", "value_cache", "key_scale", "value_scale",
+                          "attn_bias") if getattr(case, name) is not None})
+    value = NAN if "nan" in where else (-INF if "neginf" in where else INF)
+    key = 50 if "before_window" in where else (51 if "first_row" in where else 56)
+    block_size = case.key_cache.shape[1]
+    blk, slot = int(case.block_table[0, key // block_size]), key % block_size
+    if where.startswith("q"):
+        case.query[1, 1, 7] = value  # sequence 0's row 1, head 1
+    elif where.startswith("k"):
+        if case.key_scale is None:
+            case.key_cache[blk, slot, 0, 3] = value
+        else:
+            case.key_scale[blk, slot, 0] = value
+    elif where.startswith("v"):
+        if case.value_scale is None:
+            case.value_cache[blk, slot, 1, 11] = value
+        else:
+            case.value_scale[blk, slot, 1] = value
+    else:
+        case.attn_bias[0, 2, 0, key] = value
+    return case
