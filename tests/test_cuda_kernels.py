@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.cases import KINDS, Case, quantized
-from helpers.cuda_cases import gpu_case, lengths, run
+from helpers.cuda_cases import gpu_case, lengths, replayed, run
 
 from pagedfuse import numerics
 from pagedfuse.ops import cuda_native
@@ -36,16 +36,6 @@ def tol(case: Case) -> float:
 def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(
         out.cpu().double().flatten(), ref.double().flatten(), dim=0))
-
-
-def replayed(graph: torch.cuda.CUDAGraph, out: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """A copy of the captured output ``out`` after each of ``n`` replays of ``graph``."""
-    outs = []
-    for _ in range(n):
-        graph.replay()
-        outs.append(out.clone())
-    torch.cuda.synchronize()
-    return outs
 
 
 FLOAT_CASES = {

@@ -29,3 +29,13 @@ def run(case: Case, backend: str | None = None, max_seq_len: int | None = None,
         assert reason(chosen, call) is None, reason(chosen, call)
     return case.run_backend(chosen, chosen.make_plan(call, **plan) if plan else None,
                             max_seq_len, max_query_len)
+
+
+def replayed(graph: torch.cuda.CUDAGraph, out: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """A copy of the captured output ``out`` after each of ``n`` replays of ``graph``."""
+    outs = []
+    for _ in range(n):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    return outs

@@ -23,12 +23,3 @@ def paged_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     return PagedCall(INT8_OP if key_scale is not None else FLOAT_OP, query, key_cache,
                      value_cache, key_scale, value_scale, block_table, seq_lens,
                      query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len, geo)
-
-
-def case_call(case: dict, max_seq_len: int | None = None,
-              max_query_len: int | None = None) -> PagedCall:
-    """The PagedCall of a test_cuda_kernels.make_case dict."""
-    names = ("query", "key_cache", "value_cache", "block_table", "seq_lens",
-             "query_start_loc", "scale", "causal", "attn_bias", "key_scale", "value_scale")
-    return paged_call(*(case[n] for n in names), max_seq_len=max_seq_len,
-                      max_query_len=max_query_len)
