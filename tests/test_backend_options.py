@@ -12,13 +12,7 @@ from helpers.programs import PAGED, SDPA, Spec, attention, make_case
 import pagedfuse
 from pagedfuse.numerics import max_rel_err
 
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    pagedfuse.clear_reports()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_pagedfuse_settings_through_torch_compile_options():

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from helpers.backends import use_isa
 from helpers.cases import BIAS_SHAPES, Case, make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,22 +27,6 @@ from pagedfuse.ops.backends import get_backend
 
 ISAS = ("portable", "avx512")
 CPU = get_backend("cpu")
-
-
-@contextlib.contextmanager
-def use_isa(isa: str):
-    if isa not in cpu.available_isas():
-        pytest.skip(f"this CPU cannot run the {isa} path")
-    old = os.environ.get("PAGEDFUSE_CPU_ISA")
-    os.environ["PAGEDFUSE_CPU_ISA"] = isa
-    try:
-        assert cpu.selected_isa() == isa
-        yield
-    finally:
-        if old is None:
-            del os.environ["PAGEDFUSE_CPU_ISA"]
-        else:
-            os.environ["PAGEDFUSE_CPU_ISA"] = old
 
 
 @pytest.fixture(params=ISAS)

@@ -35,12 +35,7 @@ def run_recipe(name: str) -> dict:
     return namespace
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    pagedfuse.clear_reports()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_a_new_layout_spelling_is_followed(monkeypatch):

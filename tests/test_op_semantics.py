@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass, fields, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.backends import use_isa
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
@@ -137,24 +137,6 @@ def _slot(c: Case, b: int, j: int) -> tuple[int, int]:
 # --- running an implementation ---------------------------------------------------------------
 
 @contextlib.contextmanager
-def _isa(name: str):
-    from pagedfuse.ops import cpu
-
-    if name not in cpu.available_isas():
-        pytest.skip(f"this CPU cannot run the {name} path")
-    old = os.environ.get("PAGEDFUSE_CPU_ISA")
-    os.environ["PAGEDFUSE_CPU_ISA"] = name
-    try:
-        assert cpu.selected_isa() == name
-        yield
-    finally:
-        if old is None:
-            del os.environ["PAGEDFUSE_CPU_ISA"]
-        else:
-            os.environ["PAGEDFUSE_CPU_ISA"] = old
-
-
-@contextlib.contextmanager
 def _threads(n: int):
     """Enough threads that the CPU kernel splits a long context and combines the parts."""
     old = torch.get_num_threads()
@@ -170,7 +152,7 @@ def _threads(n: int):
 def backend(request):
     """An implementation: a CPU ISA or a GPU path (GPU_BACKENDS)."""
     if request.param in CPU_BACKENDS:
-        with _isa(request.param), _threads(4):
+        with use_isa(request.param), _threads(4):
             yield request.param
     else:
         yield request.param

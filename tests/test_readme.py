@@ -43,12 +43,7 @@ def run_block(name: str, namespace: dict | None = None) -> str:
     return printed.getvalue()
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    pagedfuse.clear_reports()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_every_python_block_is_run_by_a_test():

@@ -25,13 +25,7 @@ import pagedfuse
 from pagedfuse.numerics import max_rel_err as rel_err
 from pagedfuse.patterns import PAGED_SDPA, Match, Pattern, Precondition, unregister_pattern
 
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    pagedfuse.clear_reports()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("spec", [Spec(), Spec(dequant="to_mul", gqa="repeat_kv", mask="where")],

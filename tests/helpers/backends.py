@@ -1,10 +1,13 @@
-"""Context managers that change the kernel-backend registry for one test."""
+"""Context managers that change which kernel runs for one test: the backend registry, the
+CPU kernels' instruction set."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from pagedfuse.ops.backends import Backend, backends_for, register_backend, unregister_backend
@@ -65,3 +68,23 @@ def without_backends(device_type: str) -> Iterator[None]:
     finally:
         for backend in removed:
             register_backend(backend)
+
+
+@contextlib.contextmanager
+def use_isa(isa: str) -> Iterator[None]:
+    """PAGEDFUSE_CPU_ISA=isa for the block (the CPU kernels read it on every call); skips the
+    test where this CPU cannot run that path."""
+    from pagedfuse.ops import cpu
+
+    if isa not in cpu.available_isas():
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    old = os.environ.get("PAGEDFUSE_CPU_ISA")
+    os.environ["PAGEDFUSE_CPU_ISA"] = isa
+    try:
+        assert cpu.selected_isa() == isa
+        yield
+    finally:
+        if old is None:
+            del os.environ["PAGEDFUSE_CPU_ISA"]
+        else:
+            os.environ["PAGEDFUSE_CPU_ISA"] = old
