@@ -40,7 +40,6 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 def test_a_new_layout_spelling_is_followed(monkeypatch):
     from pagedfuse.graph import layout
-    from pagedfuse.patterns.paged_sdpa import kv_trace
 
     def program(q, kc, vc, bt):
         k = kc[bt].flatten(1, 2).movedim(2, 1)
@@ -56,8 +55,6 @@ def test_a_new_layout_spelling_is_followed(monkeypatch):
     rules = dict(layout.LAYOUT_RULES)
     monkeypatch.setattr(layout, "LAYOUT_RULES", rules)
     run_recipe("spelling")
-    # In the package the rule sits in graph/layout.py, so LAYOUT_OPS, taken at import, has it.
-    monkeypatch.setattr(kv_trace, "LAYOUT_OPS", frozenset(rules))
     torch._dynamo.reset()
     capture = Capture()
     got = torch.compile(program, backend=pagedfuse.backend(inner=capture))(*args)

@@ -181,7 +181,10 @@ def _repeat_interleave(node: fx.Node, layout: Layout, shape: tuple) -> Layout | 
     return _add_repeat(layout, dim, repeats)
 
 
-LAYOUT_OPS = frozenset(LAYOUT_RULES)
+def is_layout_op(op: str | None) -> bool:
+    """Whether ``op`` has a layout rule (read at each call, so a rule registered later by an
+    extension counts)."""
+    return op in LAYOUT_RULES
 
 
 def apply_layout_op(node: fx.Node, layout: Layout) -> Layout | str:

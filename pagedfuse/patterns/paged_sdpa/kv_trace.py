@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from pagedfuse.graph.effects import effects_of, node_storages
-from pagedfuse.graph.layout import LAYOUT_OPS, Layout, apply_layout_op, same_size, show
+from pagedfuse.graph.layout import Layout, apply_layout_op, is_layout_op, same_size, show
 from pagedfuse.graph.ops import arg, describe, fake, op_of
 from pagedfuse.ops.validate import INDEX_DTYPES
 
@@ -280,7 +280,7 @@ def walk(node: object, what: str) -> Trace | str:
             return Trace(found, tuple(reversed(steps)))
         if isinstance(found, str):
             return f"{what}: {found}"
-        if op in LAYOUT_OPS or op == "cast":
+        if is_layout_op(op) or op == "cast":
             steps.append(Step(cur, "cast" if op == "cast" else "layout"))
             cur = cur.args[0]
         elif op == "mul":
