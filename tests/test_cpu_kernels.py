@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from helpers.backends import use_isa
+from helpers.backends import threads, use_isa
 from helpers.cases import BIAS_SHAPES, Case, make_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,16 +33,6 @@ CPU = get_backend("cpu")
 def isa(request):
     with use_isa(request.param):
         yield request.param
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def tolerance(c: Case) -> float:

@@ -21,14 +21,13 @@ leaves unwritten fails either way.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, fields, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.backends import use_isa
+from helpers.backends import threads, use_isa
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
@@ -136,23 +135,12 @@ def _slot(c: Case, b: int, j: int) -> tuple[int, int]:
 
 # --- running an implementation ---------------------------------------------------------------
 
-@contextlib.contextmanager
-def _threads(n: int):
-    """Enough threads that the CPU kernel splits a long context and combines the parts."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 @pytest.fixture(params=[*CPU_BACKENDS, *(pytest.param(b, marks=pytest.mark.cuda)
                                          for b in GPU_BACKENDS)])
 def backend(request):
     """An implementation: a CPU ISA or a GPU path (GPU_BACKENDS)."""
     if request.param in CPU_BACKENDS:
-        with use_isa(request.param), _threads(4):
+        with use_isa(request.param), threads(4):
             yield request.param
     else:
         yield request.param

@@ -88,3 +88,15 @@ def use_isa(isa: str) -> Iterator[None]:
             del os.environ["PAGEDFUSE_CPU_ISA"]
         else:
             os.environ["PAGEDFUSE_CPU_ISA"] = old
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block: enough of them and the CPU kernels
+    split a long context and combine the parts."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
