@@ -37,6 +37,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def cache_blocks(blk, num_blocks):
+    """Block ids as ``cache[block_table]`` reads them ([-num_blocks, 0) wraps), then clamped
+    into the cache, so that no table value can move a read outside it."""
+    blk = blk.to(tl.int64)
+    blk = tl.where(blk < 0, blk + num_blocks, blk)
+    return tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+
+
+@triton.jit
+def sequence_bounds(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE: tl.constexpr):
+    """Sequence b's (keys, first query token, query tokens), clamped to the table's capacity
+    and the packed query, so that unchecked values on the GPU never move a read out of
+    bounds."""
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * PAGE)
+    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
+    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
+    return seq_len, q_start, q_end - q_start
+
+
+@triton.jit
 def _load_rows(base_ptr, row_off, offs_d, valid):
     """[len(row_off), HEAD_DIM] rows at base + row_off (innermost dim contiguous)."""
     return tl.load(base_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
@@ -122,10 +143,8 @@ def _attend_rows(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
-        blk = blk.to(tl.int64)
-        blk = tl.where(blk < 0, blk + num_blocks, blk)  # negative ids wrap, as in indexing
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        blk = cache_blocks(tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok,
+                                   other=0), num_blocks)
         slot = offs_n % PAGE
         k = _load_rows(k_ptr, blk * stride_kb + slot * stride_kt + kvh * stride_kh, offs_d, n_ok)
         if INT8_K:
@@ -232,11 +251,8 @@ def paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * PAGE)
-    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
-    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
-    q_len = q_end - q_start
+    seq_len, q_start, q_len = sequence_bounds(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks,
+                                              PAGE)
     first = 0  # the first key any query of the sequence reads: the splits start there
     if WINDOW:
         first = tl.maximum(seq_len - q_len + 1 - window_left, 0)

@@ -47,9 +47,8 @@ import triton.language as tl
 from pagedfuse.ops import cuda
 from pagedfuse.ops.call import PagedCall
 from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plan, prefill_unsupported
+from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds
 from pagedfuse.ops.triton_quantize import quantize_int8
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -72,9 +71,7 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
         blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
     else:
         blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
-    blk = blk.to(tl.int64)
-    blk = tl.where(blk < 0, blk + num_blocks, blk)  # negative ids wrap, as in cache[table]
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+    blk = cache_blocks(blk, num_blocks)
     slot = offs_n % PAGE
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
     v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
@@ -158,11 +155,8 @@ def prefill_kernel(
     pid_h = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the longest tiles start first
     b = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * PAGE)
-    q_start = tl.minimum(tl.maximum(tl.load(qsl_ptr + b).to(tl.int32), 0), num_tokens)
-    q_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + b + 1).to(tl.int32), q_start), num_tokens)
-    q_len = q_end - q_start
+    seq_len, q_start, q_len = sequence_bounds(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks,
+                                              PAGE)
     t0 = tile * TOKENS
     if (t0 >= q_len) | (q_len < MIN_Q):
         return
