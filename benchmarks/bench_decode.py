@@ -51,7 +51,7 @@ from decode_cases import (
     pf_call,
     rel_err,
 )
-from timing import bench, bench_eager, copy_bandwidth
+from timing import bench, bench_eager
 from torch.nn.attention.flex_attention import flex_attention
 
 BENCHMARK = "decode"  # the JSON's "benchmark": what summarize.py reads it as
@@ -343,12 +343,7 @@ def main() -> None:
         if args.plot:
             plot(rows, env["copy_bandwidth_tbs"] * 1e12, args.plot, env["gpu"])
         return
-    decode_cases.LAYOUT, timing.FLUSH = args.layout, args.flush
-    for name in set(GEOMETRIES) - set(args.geos or GEOMETRIES):
-        del GEOMETRIES[name]
-    torch.manual_seed(0)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    bw = decode_cases.configure(args.layout, args.flush, args.geos)
     from tqdm import tqdm
 
     start = time.time()

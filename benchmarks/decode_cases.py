@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import timing
 import torch
 import torch.nn.functional as F
 from timing import bench
@@ -97,6 +98,20 @@ class Case:
         k, ks = (self.k, None) if kind == "bf16" else (self.k8, self.ks)
         v, vs = (self.v8, self.vs) if kind == "int8_kv" else (self.v, None)
         return k, v, ks, vs
+
+
+def configure(layout: str, flush: str, geos: list[str] | None) -> float:
+    """Apply the scripts' common options (cache layout, L2 flush, the geometries to keep),
+    seed the generator, and measure the copy bandwidth the run's fractions are of (bytes/s,
+    printed)."""
+    global LAYOUT
+    LAYOUT, timing.FLUSH = layout, flush
+    for name in set(GEOMETRIES) - set(geos or GEOMETRIES):
+        del GEOMETRIES[name]
+    torch.manual_seed(0)
+    bw = timing.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    return bw
 
 
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from decode_cases import (  # noqa: E402
     pf_call,
     rel_err,
 )
-from timing import bench, copy_bandwidth, fixed_and_rate  # noqa: E402
+from timing import bench, fixed_and_rate  # noqa: E402
 
 from pagedfuse.ops import cuda as pf_cuda  # noqa: E402
 from pagedfuse.ops import cuda_native  # noqa: E402
@@ -413,12 +413,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.sweep.partition(":")[0] not in SWEEPS:
         parser.error(f"unknown sweep {args.sweep!r} (one of {', '.join(SWEEPS)})")
-    decode_cases.LAYOUT, timing.FLUSH = args.layout, args.flush
-    for name in set(GEOMETRIES) - set(args.geos or GEOMETRIES):
-        del GEOMETRIES[name]
-    torch.manual_seed(0)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    bw = decode_cases.configure(args.layout, args.flush, args.geos)
     start = time.time()
     sweep(bw, args.sweep)
     print(f"sweep {args.sweep}: {time.time() - start:.0f} s", flush=True)
