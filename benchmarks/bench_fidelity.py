@@ -10,11 +10,15 @@ token once, the prefill and decode perplexities count each path's predictions.
 
 Caches: fp32, bf16, INT8 K + bf16 V, INT8 K+V, with the weights and the rest of the model in
 --dtype (fp32 by default, so only the cache and the attention's precision vary). Each cache
-runs twice: ``eager`` is the model's own plain PyTorch (gather the pages, dequantize an INT8
-cache, SDPA); ``pagedfuse`` is the model compiled with the pagedfuse backend, every attention
-site rewritten to the fused op (the run fails otherwise). For INT8, eager is the plain
-dequantize-then-attend of the same cache kind, so pagedfuse vs eager isolates the kernel's
-own loss (it also quantizes the query) from the cache's quantization loss (eager vs fp32).
+runs on up to three paths: ``eager`` is the model's own plain PyTorch (gather the pages,
+dequantize an INT8 cache, SDPA in the cache's float dtype); ``pagedfuse`` is the model compiled
+with the pagedfuse backend, every attention site rewritten to the fused op (the run fails
+otherwise); ``dequant`` is the same compiled model with the op forced to its pure-torch
+reference (PAGEDFUSE_BACKEND=reference), which dequantizes the same cache and attends in
+float32 over exactly the query, K and V the kernel receives. So pagedfuse vs dequant isolates
+the kernel's own loss (it also quantizes the query) from the cache's quantization loss
+(dequant vs fp32). Eager is not that baseline for INT8 K + bf16 V: there the model attends in
+bf16, and the bf16 SDPA's own rounding would be counted against the kernel.
 
 Greedy agreement: eager fp32 generates --greedy-tokens tokens after each of --greedy-prompts
 text prompts; every run is fed that history and must pick the same tokens.
@@ -27,15 +31,17 @@ Prints a markdown table; --json keeps the record (summarize.py reads benchmarks/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import hashlib
 import json
+import os
 import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,11 +58,15 @@ CACHES: dict[str, dict[str, str]] = {
 }
 CACHE_LABELS = {"fp32": "fp32", "bf16": "bf16", "int8k-bf16v": "INT8 K + bf16 V",
                 "int8": "INT8 K+V"}
-PATHS = ("eager", "pagedfuse")
+PATHS = ("eager", "pagedfuse", "dequant")
+# The op's backend per path (None: the registry's choice).
+FORCED_BACKEND = {"dequant": "reference"}
+ATTENTION_LABELS = {"pagedfuse": "pagedfuse", "dequant": "dequantize + fp32 attention"}
 # The issue's bars: perplexity vs the fp32 cache, and the kernels vs dequantize-then-attend.
 VS_FP32_LIMITS = {"int8": 0.01, "int8k-bf16v": 0.005, "bf16": 0.002}
 KERNEL_VS_DEQUANT_LIMIT = 0.001
-ALL_RUNS = tuple(f"{cache}/{path}" for cache in CACHES for path in PATHS)
+ALL_RUNS = tuple(f"{cache}/{path}" for cache in CACHES for path in PATHS
+                 if path != "dequant" or cache.startswith("int8"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -96,24 +106,40 @@ def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: 
     forward = model
     torch._dynamo.reset()
     pagedfuse.clear_reports()
-    if path == "pagedfuse":
+    if path != "eager":
         forward = torch.compile(model, backend=pagedfuse.backend(inner=args.inner))
     start = time.perf_counter()
-    scores = fidelity.score_windows(model, windows, args.prefill, forward=forward,
-                                    on_step=tick)
-    agreement = fidelity.greedy_agreement(model, reference, args.greedy_prompt_len,
-                                          forward=forward)
+    with forced_backend(FORCED_BACKEND.get(path)):
+        scores = fidelity.score_windows(model, windows, args.prefill, forward=forward,
+                                        on_step=tick)
+        agreement = fidelity.greedy_agreement(model, reference, args.greedy_prompt_len,
+                                              forward=forward)
     seconds = time.perf_counter() - start
     reports = pagedfuse.reports()
     found = sum(r.num_sites for r in reports)
     rewritten = sum(r.num_rewritten for r in reports)
-    if path == "pagedfuse" and (found == 0 or rewritten < found):
+    if path != "eager" and (found == 0 or rewritten < found):
         raise SystemExit(f"{cache}: {rewritten}/{found} attention sites rewritten:\n"
                          + "\n".join(r.table() for r in reports))
     return RunResult(cache, path, fidelity.perplexity(scores.text()),
                      fidelity.perplexity(scores.prefill), fidelity.perplexity(scores.decode),
                      agreement, f"{rewritten}/{found}" if reports else "-", len(reports),
                      seconds)
+
+
+@contextlib.contextmanager
+def forced_backend(name: str | None) -> Iterator[None]:
+    """PAGEDFUSE_BACKEND=name inside the block (None: leave it as it is)."""
+    old = os.environ.get("PAGEDFUSE_BACKEND")
+    if name is not None:
+        os.environ["PAGEDFUSE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PAGEDFUSE_BACKEND", None)
+        else:
+            os.environ["PAGEDFUSE_BACKEND"] = old
 
 
 def _rel(value: float, base: float) -> float:
@@ -132,7 +158,7 @@ def checks(results: list[RunResult]) -> list[tuple[str, float, float, bool]]:
                 found.append((f"{path} {CACHE_LABELS[cache]} vs fp32 cache", diff, limit,
                               abs(diff) <= limit))
     for cache in ("int8k-bf16v", "int8"):
-        kernel, dequant = by.get((cache, "pagedfuse")), by.get((cache, "eager"))
+        kernel, dequant = by.get((cache, "pagedfuse")), by.get((cache, "dequant"))
         if kernel and dequant:
             for which in ("prefill", "decode"):
                 diff = _rel(getattr(kernel, f"ppl_{which}"), getattr(dequant, f"ppl_{which}"))
@@ -144,7 +170,7 @@ def checks(results: list[RunResult]) -> list[tuple[str, float, float, bool]]:
 
 def table(results: list[RunResult]) -> str:
     base = {r.path: r for r in results if r.cache == "fp32"}
-    dequant = {r.cache: r for r in results if r.path == "eager"}
+    dequant = {r.cache: r for r in results if r.path == "dequant"}
     lines = ["| cache | attention | perplexity | vs fp32 cache | prefill ppl | decode ppl | "
              "vs dequantize-then-attend (prefill / decode) | greedy agreement | sites |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -152,11 +178,11 @@ def table(results: list[RunResult]) -> str:
         fp32 = base.get(r.path) or base.get("eager") or base.get("pagedfuse")
         vs_fp32 = "" if fp32 is None or r is fp32 else f"{_rel(r.ppl_text, fp32.ppl_text):+.3%}"
         eager = dequant.get(r.cache)
-        vs_eager = "" if r.path == "eager" or eager is None else (
+        vs_eager = "" if r.path != "pagedfuse" or eager is None else (
             f"{_rel(r.ppl_prefill, eager.ppl_prefill):+.3%} / "
             f"{_rel(r.ppl_decode, eager.ppl_decode):+.3%}")
-        attention = ("dequantize + SDPA" if r.cache.startswith("int8") else "SDPA") \
-            if r.path == "eager" else "pagedfuse"
+        attention = ATTENTION_LABELS[r.path] if r.path != "eager" else (
+            "dequantize + SDPA" if r.cache.startswith("int8") else "SDPA")
         lines.append(f"| {CACHE_LABELS[r.cache]} | {attention} | {r.ppl_text:.4f} | {vs_fp32} "
                      f"| {r.ppl_prefill:.4f} | {r.ppl_decode:.4f} | {vs_eager} | "
                      f"{r.greedy_agreement:.1%} | {r.sites} |")
