@@ -131,21 +131,17 @@ def parallelize(model: PagedDecoder, mesh: DeviceMesh) -> PagedDecoder:
     return model
 
 
-def init_from_env(device_type: str) -> tuple[DeviceMesh, torch.device]:
-    """The process group (gloo on the CPU, NCCL on CUDA) and the 1-D tensor-parallel mesh over
-    all ranks, from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT); on CUDA this rank's device is cuda:LOCAL_RANK."""
+def init_from_env(device_type: str) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh over all ranks, its process group (gloo on the CPU, NCCL on
+    CUDA) from the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). On
+    CUDA this rank's current device becomes cuda:LOCAL_RANK, so "cuda" means its own GPU."""
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if v not in os.environ]
     if missing:
         raise RuntimeError(f"tensor parallelism: {', '.join(missing)} not set; launch with "
                            "torchrun --nproc-per-node N")
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(device_type)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    return mesh, device
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
