@@ -13,6 +13,10 @@ query). The progress bar goes to stderr.
 ``demo --model smollm2`` runs a trained model instead (SmolLM2-135M-Instruct, fetched on first
 use): real text for a few questions, eager, inductor alone and pagedfuse, per KV cache kind.
 
+``demo --tp N``, on each rank ``torchrun --nproc-per-node N`` starts, shards one preset over
+the ranks (pagedfuse.models.tensor_parallel) and compares every rank with the unsharded model
+(docs/tensor-parallel.md).
+
 ``explain`` prints pagedfuse.explain for a preset's decode step, or for a user's function
 (``module:function`` or ``file.py:function``) on the inputs a factory returns.
 """
