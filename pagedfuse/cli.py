@@ -13,6 +13,10 @@ query). The progress bar goes to stderr.
 ``demo --model smollm2`` runs a trained model instead (SmolLM2-135M-Instruct, fetched on first
 use): real text for a few questions, eager, inductor alone and pagedfuse, per KV cache kind.
 
+``demo --tp N``, on each rank ``torchrun --nproc-per-node N`` starts, shards one preset over
+the ranks (pagedfuse.models.tensor_parallel) and compares every rank with the unsharded model
+(docs/tensor-parallel.md).
+
 ``explain`` prints pagedfuse.explain for a preset's decode step, or for a user's function
 (``module:function`` or ``file.py:function``) on the inputs a factory returns.
 """
@@ -422,11 +426,144 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+@dataclass
+class RankRun:
+    """One row of ``demo --tp``'s summary: a rank's heads and result (its sites, its logits
+    against tp=1, its timing under "pagedfuse"), or the unsharded tp=1 reference's."""
+
+    label: str  # the rank, or "tp=1"
+    q_heads: range
+    kv_heads: range
+    result: CaseResult
+
+    def row(self) -> list[str]:
+        r, timing = self.result, self.result.timings["pagedfuse"]
+        span = lambda heads: f"{heads.start}-{heads.stop - 1}"
+        compared = self.label != "tp=1"
+        return [self.label, span(self.q_heads), span(self.kv_heads),
+                f"{r.num_rewritten}/{r.num_sites}",
+                f"{r.max_rel_err:.1e}" if compared else "-",
+                f"{r.agreement:.0%}" if compared else "-",
+                f"{timing.prefill_ms:.1f}", f"{timing.tok_s:.1f}", r.verdict()]
+
+
+def _tp_generate(model: PagedDecoder, prompts: torch.Tensor, args: argparse.Namespace,
+                 forced: torch.Tensor | None, bar) -> tuple[Generation, list, Timing]:
+    """Compile ``model`` with pagedfuse, generate once to compile and once timed."""
+    forward = _model_forward(model, "pagedfuse", args)
+    tick = lambda: bar.update(1)
+    _timed_generate(model, prompts, args.steps, forward, forced, tick)
+    reports = pagedfuse.reports()
+    gen, timing = _timed_generate(model, prompts, args.steps, forward, forced, tick)
+    return gen, reports, timing
+
+
+def _demo_tp(args: argparse.Namespace, mesh, bar) -> int:
+    """Rank 0 runs the unsharded model and hands its tokens and logits to every rank; each
+    rank then generates with its shard, fed those tokens (so logits compare position by
+    position), checks its own sites and logits, and rank 0 gathers the results."""
+    import torch.distributed as dist
+
+    from pagedfuse.models import tensor_parallel
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    case = single_case(args)
+    config = case.config(args.block_size)
+    reference = [None, None]
+    if rank == 0:
+        model, prompts = _model_and_prompts(case, args)
+        gen, reports, timing = _tp_generate(model, prompts, args, None, bar)
+        result = CaseResult(case, reports, 0.0, 1.0, {"pagedfuse": timing})
+        reference = [Generation(gen.tokens.cpu(), gen.logits.cpu()),
+                     RankRun("tp=1", range(config.num_q_heads), range(config.num_kv_heads),
+                             result)]
+    dist.broadcast_object_list(reference, src=0)
+    expected = reference[0]
+
+    model, prompts = _model_and_prompts(case, args)
+    tensor_parallel.parallelize(model, mesh)
+    forced = expected.tokens.to(prompts.device)
+    gen, reports, timing = _tp_generate(model, prompts, args, forced, bar)
+    want = expected.logits.float()
+    err = ((gen.logits.float().cpu() - want).abs().max() / want.abs().max()).item()
+    generated = slice(args.prompt_len - 1, None)
+    picks = gen.logits[:, generated].argmax(dim=-1).cpu() == expected.tokens[:, args.prompt_len:]
+    shard = tensor_parallel.head_shard(config.num_q_heads, config.num_kv_heads, world, rank)
+    mine = RankRun(str(rank), shard.q_heads, shard.kv_heads, CaseResult(
+        case, reports, err, picks.float().mean().item(), {"pagedfuse": timing}))
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    code = [0]
+    if rank == 0:
+        bar.close()
+        code[0] = print_demo_tp(case, [reference[1], *gathered], args)
+    dist.broadcast_object_list(code, src=0)
+    return code[0]
+
+
+def print_demo_tp(case: Case, runs: list[RankRun], args: argparse.Namespace) -> int:
+    """The summary of ``demo --tp`` (the tp=1 reference, then every rank); the exit code: 1
+    when any of them left an attention site or a rank's logits or tokens differ from tp=1."""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    print(f"pagedfuse demo --tp {args.tp}: {case}, batch {args.batch}, prompt "
+          f"{args.prompt_len}, {args.steps} decode steps, {args.device} ({backend}), pagedfuse "
+          f"+ {args.inner}; logits error and tokens against tp=1; prefill: wall time of the "
+          "first forward; decode tok/s: batch / the fastest decode step")
+    head = ["rank", "query heads", "KV heads", "rewritten", "logits max rel err",
+            "tokens as tp=1", "prefill ms", "decode tok/s", "result"]
+    print(format_table(head, [run.row() for run in runs]))
+    failed = [run for run in runs if run.result.failures()]
+    print(f"{len(runs) - len(failed)}/{len(runs)} passed (logits tol "
+          f"{LOGITS_RTOL[case.kv_cache]:.0e})")
+    for run in runs:
+        for report in run.result.reports:
+            if args.verbose:
+                print(f"\n== rank {run.label} ==\n{report.table()}")
+            elif report.num_rewritten < report.num_sites:
+                print("\n".join(f"rank {run.label}: {line}" for line in _report_lines(report)))
+    return 1 if failed else 0
+
+
+def cmd_demo_tp(args: argparse.Namespace) -> int:
+    """``demo --tp N`` on each of the N ranks torchrun starts (gloo on the CPU, NCCL on CUDA
+    with cuda:LOCAL_RANK per rank); only rank 0 prints."""
+    import torch.distributed as dist
+
+    from pagedfuse.models import tensor_parallel
+
+    try:
+        mesh = tensor_parallel.init_from_env(args.device)
+    except RuntimeError as err:
+        print(f"pagedfuse demo: {err}", file=sys.stderr)
+        return 2
+    try:
+        rank = mesh.get_local_rank()
+        problem = None if mesh.size() == args.tp else \
+            f"--tp {args.tp}: torchrun started {mesh.size()} processes"
+        if problem is None:
+            try:
+                tensor_parallel.rank_config(single_case(args).config(args.block_size), args.tp,
+                                            rank)
+            except ValueError as err:
+                problem = f"--tp {args.tp}: {err}"
+        if problem is not None:
+            if rank == 0:
+                print(f"pagedfuse demo: {problem}", file=sys.stderr)
+            return 2
+        forwards = 4 * (args.steps + 1)  # the reference (rank 0) and the shard, each twice
+        bar = _progress(forwards, "pagedfuse demo --tp") if rank == 0 else _NoProgress()
+        return _demo_tp(args, mesh, bar)
+    finally:
+        dist.destroy_process_group()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model:
         return cmd_demo_model(args)
+    if args.tp:
+        return cmd_demo_tp(args)
     results = run_demo(args)
     print_demo(results, args)
     return 1 if any(r.failures() for r in results) else 0
@@ -574,6 +711,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every graph's full report after the summary")
     demo.add_argument("--threads", type=_positive,
                       help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--tp", type=_positive,
+                      help="tensor parallel over N ranks, each launched by torchrun "
+                      "--nproc-per-node N (gloo on cpu, NCCL on cuda): one case, every rank's "
+                      "sites and its tokens against tp=1")
     explain = sub.add_parser("explain", parents=[model_opts], formatter_class=_HelpFormatter,
                              help="print pagedfuse.explain for a function or a preset's "
                              "decode step")
@@ -605,6 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model and (args.preset or args.alibi or args.all):
             parser.error("--model: runs the trained model; --preset, --alibi and --all pick "
                          "random presets")
+        if args.tp and (args.model or args.all):
+            parser.error("--tp: shards one random preset; --model and --all do not apply")
         if args.steps is None:
             args.steps = 31 if args.model else 6
         return cmd_demo(args)
