@@ -79,6 +79,11 @@ GRID = [
     GridCase("prefill-int8kv-bf16-causal-hnd", dict(seq_lens=(40, 53), q_lens=(6, 3),
                                                     head_dim=128, dtype=bf16, layout="HND",
                                                     kind="int8_kv", causal=True)),
+    # head_dim 256 with several query rows per tile: the Triton kernel's largest tiles
+    GridCase("prefill-int8kv-bf16-gqa6-d256-causal", dict(seq_lens=(40, 53), q_lens=(8, 3),
+                                                          num_q_heads=12, num_kv_heads=2,
+                                                          head_dim=256, dtype=bf16,
+                                                          kind="int8_kv", causal=True)),
     GridCase("prefill-int8k-f16-causal", dict(seq_lens=(64, 31), q_lens=(16, 4), dtype=f16,
                                               kind="int8_k", causal=True), "exact"),
     GridCase("bias-bool-full-causal", dict(seq_lens=(45, 20, 64), q_lens=(4, 1, 3),
@@ -112,6 +117,10 @@ GRID = [
                                                      dtype=f16, causal=True, bias="float",
                                                      bias_shape="per_batch", window_left=16,
                                                      softcap=5.0)),
+    GridCase("window-softcap-prefill-bf16-d256", dict(seq_lens=(45, 20), q_lens=(9, 4),
+                                                      num_q_heads=4, head_dim=256, dtype=bf16,
+                                                      causal=True, window_left=16,
+                                                      softcap=50.0), "exact"),
     GridCase("softcap-int8k-f32-causal", dict(seq_lens=(64, 31), q_lens=(16, 4),
                                               kind="int8_k", causal=True, softcap=2.0)),
 ]
