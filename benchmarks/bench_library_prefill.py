@@ -335,6 +335,42 @@ def engine_of_a_graph() -> dict:
     return out
 
 
+def host_split(geo: tuple[int, int, int]) -> dict:
+    """CPU µs per eager call of each part of a cudnn_prefill call, and of alternative ways of
+    handing cuDNN the buffers (the ordered ``tensor_uids`` form, torch tensors instead of
+    addresses); 16 sequences of 64 queries over 4K (the cases' rows hold triton_prefill's
+    whole call)."""
+    call = bp.Case(geo, 16, 4096, 64, light=True).call("bf16")
+    out = torch.empty_like(call.query)
+    key = cudnn_paged.graph_key(call)
+    run_backend("cudnn_prefill", call)
+    built = cudnn_paged.graph_for(key)
+    handle = cudnn_paged._handle(key.device)
+    buffers = cudnn_paged.metadata(call, key)
+    buffers.update({cudnn_paged.Uid.Q: call.query, cudnn_paged.Uid.K: call.key_cache,
+                    cudnn_paged.Uid.V: call.value_cache, cudnn_paged.Uid.OUT: out})
+    ws = torch.empty(max(built.workspace, 1), dtype=torch.uint8, device="cuda")
+    ptrs = {uid: t.data_ptr() for uid, t in buffers.items()}
+    uids = tuple(buffers)
+    parts = {
+        "cudnn_prefill call": lambda: get_backend("cudnn_prefill").run(call, out, None),
+        "graph_key": lambda: cudnn_paged.graph_key(call),
+        "metadata (torch ops)": lambda: cudnn_paged.metadata(call, key),
+        "execute (addresses)": lambda: built.graph.execute(ptrs, ws.data_ptr(), handle=handle),
+        "execute (tensors)": lambda: built.graph.execute(buffers, ws, handle=handle),
+        "execute (ordered)": lambda: built.graph.execute(tuple(buffers.values()), ws,
+                                                         handle=handle, tensor_uids=uids),
+        "zero_rows_without_keys": lambda: cudnn_paged.zero_rows_without_keys(call, out),
+    }
+    result = {}
+    for name, fn in parts.items():
+        try:
+            result[name] = round(host_us(fn, 50), 1)
+        except Exception as exc:
+            result[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return result
+
+
 def checks(geo: tuple[int, int, int], wheel: str | None) -> dict:
     case = bp.Case(geo, 4, 4096, 512, light=True)
     call = case.call("bf16")
@@ -350,7 +386,8 @@ def checks(geo: tuple[int, int, int], wheel: str | None) -> dict:
         entry["compile_dynamic"] = check_compile(name, geo)
         out[name] = entry
         print(name, json.dumps(entry), flush=True)
-    for name, fn in (("cudnn_rows_without_keys", cudnn_rows_without_keys),
+    for name, fn in (("host_us", lambda: host_split(geo)),
+                     ("cudnn_rows_without_keys", cudnn_rows_without_keys),
                      ("install", lambda: install_weight(wheel)),
                      ("cudnn_engine", engine_of_a_graph)):
         try:
@@ -379,8 +416,12 @@ def main() -> None:
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--wheel", help="the frontend wheel, for its size")
     ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--host-only", action="store_true", help="only the host-time split")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = ap.parse_args()
+    if args.host_only:
+        print(json.dumps(host_split(bp.GEOMETRIES["llama3_8b"]), indent=1))
+        return
     jobs = [(bp.GEOMETRIES[g], *c, "bf16", "half", None) for g in args.geometries
             for c in bp.CASES]
     bp.precompile(jobs, args.workers)
