@@ -24,8 +24,14 @@ Unchecked values stay inside the tensors, as in the other kernels: block ids are
 clamped to what the table addresses and query offsets to the packed query.
 
 Rows that read no key (a sequence with no keys, or under causal a query token before the
-sequence's first key) are zeros by the op's contract; a small Triton kernel writes them
-after cuDNN, touching only those rows.
+sequence's first key) are zeros by the op's contract; cuDNN leaves those of a sequence with
+no keys unwritten (H200, cuDNN 9.19), so a small Triton kernel writes them after cuDNN,
+touching only those rows.
+
+One difference from the op's contract remains (docs/library-kernels.md): cuDNN's key tiles
+load V past seq_len (the last page's tail, and pages reached through table entries past the
+sequence's last page) and after a row's causal position with weight 0, so a NaN or Inf there
+reaches the row.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ one query token per sequence: bf16/fp16, no attn_bias, no window or soft cap, he
 stays true for decode too), Hopper or newer. Registered where ``nvidia-cudnn-frontend``
 (``pip install pagedfuse[cudnn]``) is installed next to a CUDA build of torch.
 
-Priority: see docs/design.md's backend table and the measurement it cites
-(benchmarks/results/library_prefill_h200_*.json)."""
+Priority 140, below triton_prefill (150): on the H200 cuDNN is 1.3-1.7x faster at head_dim
+128/256 with 512 or more query tokens per sequence and slower at head_dim 64 and on short
+queries (docs/library-kernels.md, benchmarks/results/library_prefill_h200_2026-12-01.json);
+the registry has no per-call preference yet, so it runs where PAGEDFUSE_BACKEND names it."""
 
 from __future__ import annotations
 
@@ -21,5 +23,5 @@ def supports(call: PagedCall) -> str | None:
 
 
 BACKEND = register_backend(Backend(
-    name="cudnn_prefill", device="cuda", priority=160, head_dims={FLOAT_OP: HEAD_DIMS},
+    name="cudnn_prefill", device="cuda", priority=140, head_dims={FLOAT_OP: HEAD_DIMS},
     supports=supports, run=paged_sdpa_into))
