@@ -4,7 +4,8 @@ Adding one is a new module that ends with ``register_backend(Backend(...))`` plu
 below (see registry.py for the contract). Built in: ``reference`` (pure torch, any device),
 ``cpu`` (the C++ kernels), and where Triton is installed ``triton``, ``triton_prefill`` (q_len
 > 1) and ``cuda_decode`` (the CUDA C++ decode, which also needs Triton for its query
-quantization and split combine).
+quantization and split combine); ``cudnn_prefill`` (cuDNN's paged SDPA, q_len > 1) where
+the optional ``nvidia-cudnn-frontend`` is installed too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from pagedfuse.ops.backends.registry import (
 
 if importlib.util.find_spec("triton") is not None:  # without it CUDA runs the reference
     from pagedfuse.ops.backends import cuda_decode, triton, triton_prefill  # noqa: F401
+
+    # cuDNN's paged SDPA: only where the optional frontend is installed beside CUDA torch
+    if importlib.util.find_spec("cudnn") is not None and torch.version.cuda is not None:
+        from pagedfuse.ops.backends import cudnn_prefill  # noqa: F401
 
 Tensor = torch.Tensor
 
