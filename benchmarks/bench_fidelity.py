@@ -197,6 +197,28 @@ def table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def write_record(args: argparse.Namespace, command: str, device_name: str, text_sha: str,
+                 windows: int, results: list[RunResult]) -> None:
+    """The JSON record of the runs so far, with the bars they can be held to."""
+    record = {
+        "command": command,
+        "date": str(datetime.date.today()),
+        "device": args.device,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": smollm2.GGUF_FILE,
+        "text_sha256": text_sha,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "windows": windows,
+        "runs": [asdict(r) for r in results],
+        "checks": [dict(what=w, rel_diff=d, limit=lim, passed=ok)
+                   for w, d, lim, ok in checks(results)],
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -243,25 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     reference_model = from_transformers(loaded.hf_model, device=args.device,
                                         dtype=DTYPES[args.dtype], block_size=args.block_size)
     reference = generate(reference_model, prompts.to(args.device),
-                                          args.greedy_tokens - 1).tokens.cpu()
+                         args.greedy_tokens - 1).tokens.cpu()
     del reference_model
 
     runs = [tuple(run.split("/")) for run in args.runs]
     decode_steps = args.window - 1 - args.prefill
     bar = _progress(len(runs) * decode_steps)
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+    command = " ".join(shlex.quote(a) for a in ["benchmarks/bench_fidelity.py", *sys.argv[1:]])
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
+        platform.processor() or platform.machine()
+    text_sha = hashlib.sha256(ids[:args.tokens].numpy().tobytes()).hexdigest()
     results = []
     for cache, path in runs:
         if bar is not None:
             bar.set_postfix_str(f"{cache} {path}")
         results.append(run_one(loaded.hf_model, cache, path, args, windows, reference, tick))
+        if args.json:  # after every run, so a run cut short keeps what it measured
+            write_record(args, command, device_name, text_sha, windows.shape[0], results)
         gc.collect()
     if bar is not None:
         bar.close()
 
-    command = " ".join(shlex.quote(a) for a in ["benchmarks/bench_fidelity.py", *sys.argv[1:]])
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
-        platform.processor() or platform.machine()
     print(f"\n### Fidelity: SmolLM2-135M-Instruct ({smollm2.GGUF_FILE}), {args.device} "
           f"({device_name}), {datetime.date.today()}\n")
     print(f"`{command}`: {windows.shape[0]} windows of {args.window} tokens ({args.prefill} "
@@ -274,23 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     for what, diff, limit, ok in bars:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {diff:+.3%} (limit {limit:.1%})")
 
-    record = {
-        "command": command,
-        "date": str(datetime.date.today()),
-        "device": args.device,
-        "device_name": device_name,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "model": smollm2.GGUF_FILE,
-        "text_sha256": hashlib.sha256(ids[:args.tokens].numpy().tobytes()).hexdigest(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "windows": windows.shape[0],
-        "runs": [asdict(r) for r in results],
-        "checks": [dict(what=w, rel_diff=d, limit=lim, passed=ok) for w, d, lim, ok in bars],
-    }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0 if all(ok for *_, ok in bars) else 1
 
