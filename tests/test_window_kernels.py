@@ -208,6 +208,11 @@ def test_distinct_blocks_is_a_permutation():
 GPU_BACKENDS = ("cuda_decode", "triton")
 
 
+def gpu_tolerance(c: Case) -> float:
+    """The GPU kernels round P to 16 bits and quantize it per tile for an int8 P·V."""
+    return numerics.kernel_tolerance(c.query.dtype, c.call().kind)
+
+
 def _gpu_params() -> list:
     return [pytest.param(backend, case, id=f"{backend}-{case.name}")
             for case in GPU_GRID for backend in GPU_BACKENDS
@@ -255,7 +260,7 @@ def test_cuda_decode_every_grid(kind, head_dim):
                 plan = backend.make_plan(call, config, splits)
                 out = c.run_backend(backend, plan, max_query_len=1)
                 err = numerics.rel_err(out, ref)
-                assert err <= tolerance(c), (window, softcap, heads, splits, err)
+                assert err <= gpu_tolerance(c), (window, softcap, heads, splits, err)
 
 
 @pytest.mark.cuda
@@ -275,7 +280,7 @@ def test_gpu_kernels_read_only_the_windows_pages(backend, kind):
     for splits in (1, 4):
         out = c.run_backend(chosen, chosen.make_plan(call, splits=splits),
                             max_query_len=max(q_lens))
-        assert numerics.rel_err(out, ref) <= tolerance(c), splits
+        assert numerics.rel_err(out, ref) <= gpu_tolerance(c), splits
 
 
 @pytest.mark.cuda
