@@ -39,7 +39,7 @@ import decode_cases
 import timing
 import torch
 import torch.nn.functional as F
-from bench_decode import environment
+from bench_decode import _reason, environment
 from decode_cases import GEOMETRIES, OPS, Case, gather_pages, rel_err
 from timing import bench
 
@@ -171,7 +171,7 @@ def run(case: Case, window: int, softcap: float, flex: bool, bw: float,
             out = m.fn()
             row["us"] = bench(m.fn, REPS)
         except Exception as exc:  # a peer that cannot run is reported, not fatal
-            row["us"], row["error"] = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+            row["us"], row["error"] = None, _reason(exc)
             print(f"{name} failed:\n" + "".join(traceback.format_exception(exc)[-3:]),
                   file=sys.stderr)
         else:
