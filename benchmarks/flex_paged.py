@@ -36,11 +36,13 @@ def physical_pages(cache: torch.Tensor) -> torch.Tensor:
 
 def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    flex: Callable = flex_attention) -> Callable[[], torch.Tensor]:
+                    flex: Callable = flex_attention,
+                    window_left: int | None = None) -> Callable[[], torch.Tensor]:
     """A zero-argument call of ``flex`` (flex_attention, or a compiled one) for decode:
     query [B, Hq, D], one token per sequence, attending to the first seq_lens[b] keys of
-    sequence b's pages; it returns [B, Hq, D]. The block mask is built here, once, so the
-    call times attention alone."""
+    sequence b's pages, or with ``window_left`` to its last window_left of them (a sliding
+    window: the block mask skips the pages before it); it returns [B, Hq, D]. The block
+    mask is built here, once, so the call times attention alone."""
     batch, _, _ = query.shape
     blocks, page, _, _ = key_cache.shape
     n = block_table.shape[1]
@@ -53,8 +55,11 @@ def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     def length(b, h, q_idx, kv_idx):
         return kv_idx < seq_lens[b]
 
-    logical = create_block_mask(length, batch, None, 1, n * page, device=str(device),
-                                BLOCK_SIZE=page)
+    def window(b, h, q_idx, kv_idx):  # the query sits at position seq_lens[b] - 1
+        return (kv_idx < seq_lens[b]) & (kv_idx >= seq_lens[b] - window_left)
+
+    logical = create_block_mask(length if window_left is None else window, batch, None, 1,
+                                n * page, device=str(device), BLOCK_SIZE=page)
     mask = paged.convert_logical_block_mask(logical)
     q, k, v = query[:, :, None], physical_pages(key_cache), physical_pages(value_cache)
     options = None if _power_of_two(query.shape[1] // key_cache.shape[2]) else NON_POW2_OPTIONS

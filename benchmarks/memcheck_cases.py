@@ -1,6 +1,8 @@
 """One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton; the
 CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the split-KV and the
-prefill kernels, quantize, out-of-range block ids) for compute-sanitizer."""
+prefill kernels, quantize, out-of-range block ids; window_left and softcap in the CUDA C++
+decode's split and balanced grids and in the split-KV kernel) for compute-sanitizer.
+`memcheck_cases.py window` runs the window_left / softcap cases alone."""
 import sys
 from pathlib import Path
 
@@ -47,6 +49,17 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
            dict(backend="cuda_decode", max_query_len=1,  # the balanced grid, its merges
                 splits=cuda_decode.BALANCED))
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
+window_cases = [
+    (dict(seq_lens=(300, 45, 1000), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind,
+          window_left=100, softcap=cap),
+     dict(backend="cuda_decode", max_query_len=1, splits=splits))
+    for d, kind, cap, splits in ((128, "int8_kv", None, 3), (64, "int8_k", 30.0, 1),
+                                 (256, "float", 30.0, cuda_decode.BALANCED),
+                                 (128, "int8_kv", 30.0, cuda_decode.BALANCED))]
+window_cases += [(dict(seq_lens=(300, 45, 70), q_lens=(5, 1, 3), head_dim=128, kind=kind,
+                       causal=True, window_left=16, softcap=30.0),
+                  dict(backend="triton", splits=2)) for kind in ("float", "int8_kv")]
+cases = window_cases if sys.argv[1:] == ["window"] else cases + window_cases
 for spec, kw in cases:
     case = gpu_case(**spec)
     case.block_table[0, 0] = 10**6  # clamped inside the kernel, never read out of bounds

@@ -140,6 +140,31 @@ def prefill(record: dict) -> tuple[str, str]:
     return ran_on, note + "\n\n" + table(head, rows)
 
 
+def window(record: dict) -> tuple[str, str]:
+    env, p = record["env"], record["problem"]
+    ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, Python "
+              f"{env['python']}; copy bandwidth {env['copy_bandwidth_tbs']:.2f} TB/s; L2 flush: "
+              f"{env['flush']}; {p['geometry']} {tuple(p['geo'])}, B={p['B']}, L={p['L']}, "
+              f"window {p['window']}, page {p['page']}; the windowed decode runs "
+              f"{p['windowed_backend']}; `{env['command']}`")
+    rows = []
+    for r in record["rows"]:
+        if r["us"] is None:
+            why = r["error"].splitlines()[0]  # a record's error may span lines
+            rows.append([r["method"], "n/a", "n/a", "n/a", why[:160].replace("|", "/")])
+            continue
+        rows.append([r["method"], _ms(r["us"] / 1e3), f"{r['window_floor']:.0%}",
+                     f"{r['floor']:.0%}", f"{r['err']:.1e}"])
+    head = ["method", "ms", "of the window's byte floor", "of its own byte floor",
+            "rel. error"]
+    note = (f"ms of GPU time per call (CUDA graph replay after an L2 flush). The window's byte "
+            f"floor: the K/V bytes of the keys inside the window ({p['window_kv_gb']:.2f} GB "
+            "in bf16; INT8 K+V with its scales), plus the query and the output, over the copy "
+            "bandwidth; a method's own floor counts the keys it attends to (the full context "
+            "without the window). Errors against float32 attention over those keys.")
+    return ran_on, note + "\n\n" + table(head, rows)
+
+
 def overhead(record: dict) -> tuple[str, str]:
     ran_on = (f"{record['device']}, torch {record['torch']}, Python {record['python']}, "
               f"{record['threads']} thread(s); B={record['batch']}, L={record['length']}")
@@ -212,6 +237,8 @@ SUMMARIES = (
             lambda r: r["env"]["date"]),
     Summary("GPU prefill", "bench_prefill.py", "prefill_h200_*.json", prefill,
             lambda r: r["env"]["date"], skip=("_pv_int8",)),
+    Summary("GPU sliding-window decode", "bench_window.py", "window_*.json", window,
+            lambda r: r["env"]["date"], group=lambda r: r["problem"]["geometry"]),
     Summary("transformers continuous batching", "bench_hf.py", "hf_*.json", hf,
             lambda r: r["env"]["date"], group=lambda r: r["settings"]["device"]),
     Summary("CPU decode", "bench_cpu.py", "cpu_decode_*.json", cpu_decode,

@@ -17,9 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 flex_paged = pytest.importorskip("flex_paged")
 
 
+@pytest.mark.parametrize("window", [None, 1, 7, 40])  # the sliding-window mask (bench_window)
 @pytest.mark.parametrize(("hq", "hkv", "d", "page"),
                          [(8, 2, 64, 16), (6, 6, 32, 4), (6, 2, 32, 16)])  # groups 4, 1, 3
-def test_flex_peer_matches_the_reference(hq, hkv, d, page):
+def test_flex_peer_matches_the_reference(hq, hkv, d, page, window):
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.tensor([37, 1, 64, 50])
     batch, n = len(seq_lens), math.ceil(64 / page)
@@ -28,10 +29,11 @@ def test_flex_peer_matches_the_reference(hq, hkv, d, page):
     value = torch.randn(blocks, page, hkv, d, generator=gen)
     table = torch.randperm(blocks, generator=gen)[: batch * n].view(batch, n).int()
     query = torch.randn(batch, hq, d, generator=gen)
-    call = flex_paged.paged_flex_call(query, key, value, table, seq_lens, d ** -0.5)
+    call = flex_paged.paged_flex_call(query, key, value, table, seq_lens, d ** -0.5,
+                                      window_left=window)
     ref = paged_attention_reference(query, key, value, table, seq_lens,
                                     torch.arange(batch + 1), d ** -0.5, False, None,
-                                    compute_dtype=torch.float64)
+                                    compute_dtype=torch.float64, window_left=window)
     out = call()
     assert out.shape == query.shape
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5

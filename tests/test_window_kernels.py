@@ -1,11 +1,14 @@
 """window_left and softcap in the kernels: the CPU C++ kernels (PAGEDFUSE_CPU_ISA=portable and
 avx512) against the float64 reference, through the op and straight into a NaN-filled output;
 the Triton split-KV kernel on the CPU through Triton's interpreter (a subprocess, since the
-interpreter is chosen when Triton kernels are defined).
+interpreter is chosen when Triton kernels are defined); on a GPU (marked ``cuda``) the CUDA
+C++ decode and the Triton split-KV kernel through the conformance runner on the window grid,
+the decode's split and balanced grids, and the pages they read.
 
 The reference is held to an independent oracle in test_windows_softcap.py. A window must not
 only hide the keys before it but leave them unread: the CPU kernel is run on a table whose
-pages before every query's window point far outside the cache.
+pages before every query's window point far outside the cache, the GPU kernels on one whose
+pages there hold NaN.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cases import Case, make_case
-from helpers.window_cases import POISONS, WINDOWS, distinct_blocks, poison_case, window_case
+from helpers.cases import KINDS, Case, make_case
+from helpers.conformance import GridCase, run_case
+from helpers.window_cases import (
+    DECODE,
+    GPU_GRID,
+    POISONS,
+    WINDOWS,
+    distinct_blocks,
+    poison_case,
+    poisoned_before_windows,
+    window_case,
+)
 
 from pagedfuse import numerics
-from pagedfuse.ops import cpu
-from pagedfuse.ops.backends import get_backend
+from pagedfuse.ops import cpu, cuda_native
+from pagedfuse.ops.backends import choose, get_backend
 
 CPU = get_backend("cpu")
 TESTS = Path(__file__).parent
@@ -188,3 +201,101 @@ def test_distinct_blocks_is_a_permutation():
     used = torch.cat([c.block_table[0, :15], c.block_table[1, :10]])
     assert len(set(used.tolist())) == 25 and int(used.max()) < 40
     assert bool((c.block_table[0, 15:] >= 40).all())
+
+
+# On the GPU. The CUDA C++ decode takes the grid's decode calls, the Triton split-KV kernel
+# every call; each must take what it is given (a decline fails rather than skips).
+GPU_BACKENDS = ("cuda_decode", "triton")
+
+
+def gpu_tolerance(c: Case) -> float:
+    """The GPU kernels round P to 16 bits and quantize it per tile for an int8 P·V."""
+    return numerics.kernel_tolerance(c.query.dtype, c.call().kind)
+
+
+def _gpu_params() -> list:
+    return [pytest.param(backend, case, id=f"{backend}-{case.name}")
+            for case in GPU_GRID for backend in GPU_BACKENDS
+            if backend == "triton" or case.name.startswith("decode")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("backend", "grid_case"), _gpu_params())
+def test_gpu_kernels_match_the_reference(backend, grid_case: GridCase, monkeypatch):
+    """Straight into a NaN-filled output and through the op with PAGEDFUSE_BACKEND naming the
+    backend, against the float64 reference (helpers.conformance.run_case)."""
+    pytest.importorskip("triton")
+    why = run_case(get_backend(backend), grid_case, "cuda", monkeypatch)
+    assert why is None, f"{backend} declined {grid_case.name}: {why}"
+
+
+def _gpu_decode_case(kind: str, head_dim: int, window: int | None, softcap: float | None):
+    """Eight KV heads with a group of 3; windows that start mid-page and mid-tile, and a
+    sequence shorter than the window."""
+    return make_case(seq_lens=(700, 45, 301), num_q_heads=24, num_kv_heads=8,
+                     head_dim=head_dim, dtype=torch.bfloat16, kind=kind, window_left=window,
+                     softcap=softcap, seed=head_dim, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_decode_every_grid(kind, head_dim):
+    """The CUDA C++ decode with a window of 100 (and a soft cap of 1, and the cap alone), for
+    every count of KV heads per CTA, 1 and 3 splits (some splits then hold no key of the
+    window) and the balanced grid."""
+    pytest.importorskip("triton")
+    from pagedfuse.ops.backends import cuda_decode
+
+    backend = get_backend("cuda_decode")
+    for window, softcap in ((100, None), (100, 1.0), (None, 1.0)):
+        c = _gpu_decode_case(kind, head_dim, window, softcap)
+        call = c.call(max_query_len=1)
+        ref = c.reference()
+        assert_options_matter(c, ref)
+        native = cuda_native.kind_of(c.key_cache, c.value_cache)
+        for heads in cuda_native.HEADS_PER_CTA:
+            config = cuda_decode.native_config(native, head_dim, 8, 3, call.device, heads=heads)
+            for splits in (1, 3, cuda_decode.BALANCED):
+                plan = backend.make_plan(call, config, splits)
+                out = c.run_backend(backend, plan, max_query_len=1)
+                err = numerics.rel_err(out, ref)
+                assert err <= gpu_tolerance(c), (window, softcap, heads, splits, err)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_kernels_read_only_the_windows_pages(backend, kind):
+    """Pages wholly before every query's window hold NaN (poisoned_before_windows): the
+    kernels still match the reference of the unpoisoned case, at one split and at several."""
+    pytest.importorskip("triton")
+    q_lens = DECODE if backend == "cuda_decode" else (3, 5, 1)
+    c = distinct_blocks(window_case(16, True, seq_lens=(300, 137, 20), q_lens=q_lens,
+                                    num_blocks=40, kind=kind, dtype=torch.bfloat16))
+    ref = c.reference()
+    c = poisoned_before_windows(c.to("cuda"))
+    chosen = get_backend(backend)
+    call = c.call(max_query_len=max(q_lens))
+    for splits in (1, 4):
+        out = c.run_backend(chosen, chosen.make_plan(call, splits=splits),
+                            max_query_len=max(q_lens))
+        assert numerics.rel_err(out, ref) <= gpu_tolerance(c), splits
+
+
+@pytest.mark.cuda
+def test_windowed_decode_takes_the_cuda_decode_and_plans_the_window():
+    """A decode call with a window and a cap goes to the CUDA C++ decode by default, and its
+    launch plan is the one of a context as long as the window."""
+    pytest.importorskip("triton")
+    from pagedfuse.ops.backends import cuda_decode
+
+    c = make_case(seq_lens=(5000, 300), num_q_heads=32, num_kv_heads=8, head_dim=128,
+                  dtype=torch.bfloat16, window_left=256, softcap=30.0, device="cuda")
+    call = c.call(max_seq_len=5000, max_query_len=1)
+    assert choose(call).name == "cuda_decode"
+    plan = cuda_decode.make_plan(call)
+    short = make_case(seq_lens=(256, 256), num_q_heads=32, num_kv_heads=8, head_dim=128,
+                      dtype=torch.bfloat16, device="cuda").call(max_seq_len=256,
+                                                                 max_query_len=1)
+    assert plan == cuda_decode.make_plan(short)

@@ -51,6 +51,15 @@
 // an exp2 online softmax (ex2.approx.ftz: one instruction; scores are at most kLazyMax above
 // the running max, so nothing in range flushes).
 //
+// Sliding window (window_left W): the query at position p = seq_len - 1 reads keys j > p - W,
+// so each sequence's keys start at max(0, seq_len - W). The split chunks and the balanced
+// grid's steps divide only those keys, and no warp locates a token (reads a table entry) or
+// copies a row before them: a windowed decode reads the window's pages alone. The start is a
+// run-time offset (0 without a window), a few integer operations per CTA. Soft cap: the
+// scaled score s (scales restored) becomes softcap * tanh(s / softcap) before the softmax,
+// in the log2 domain (soft_cap); it is a template flag, so a call without a cap runs no
+// instruction of it.
+//
 // The online softmax rescales lazily: the running max moves only when a tile's max exceeds it
 // by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32, bf16 and fp16 and for
 // the per-tile P quantization), so most tiles skip the O rescale, and the branch is
@@ -70,17 +79,19 @@
 //
 // Bounds: lengths, starts and block ids are clamped exactly as in the Triton kernel, so bad
 // values (unchecked on the GPU) never move a read outside the cache, the table or the query;
-// a block id in [-num_blocks, 0) wraps first, as `cache[block_table]` indexes.
+// a block id in [-num_blocks, 0) wraps first, as `cache[block_table]` indexes. A window's
+// start lies in [0, seq_len] after the length's clamp, so it moves no read either.
 //
-// Non-finite values, as eager SDPA gives them over a row's keys (the op's reference): a NaN
-// or +inf score (from the query, K, or a scale) makes the row NaN. Such a score turns the
-// running sum l into NaN and keeps it so (exp2 of NaN, or of +inf minus the +inf max), so
-// l alone marks the row, with no test per tile; the merges pass a NaN l on as a NaN row and
-// log-sum-exp. A K scale that is not finite counts as NaN (its dequantized row holds a NaN),
-// and so does an INT8 V scale: the quantized P·V cannot carry an Inf, so an infinite V scale
-// makes the row NaN where eager SDPA has +-Inf in the dims whose int8 value is not 0. Tokens
-// past a split's end read the sequence's last token with weight 0, so an Inf in that token's
-// 16-bit V gives NaN in its dims where eager SDPA gives +-Inf.
+// Non-finite values, as eager SDPA gives them over a row's keys (the op's reference; keys before a
+// window are not the row's): a NaN or +inf score (from the query, K, or a scale) makes the row NaN
+// (with a soft cap +-inf scores become +-softcap, so only a NaN does). Such a score turns the
+// running sum l into NaN and keeps it so (exp2 of NaN, or of +inf minus the +inf max), so l alone
+// marks the row, with no test per tile; the merges pass a NaN l on as a NaN row and log-sum-exp. A
+// K scale that is not finite counts as NaN (its dequantized row holds a NaN), and so does an INT8 V
+// scale: the quantized P·V cannot carry an Inf, so an infinite V scale makes the row NaN where
+// eager SDPA has +-Inf in the dims whose int8 value is not 0. Tokens past a split's end read the
+// sequence's last token with weight 0, so an Inf in that token's 16-bit V gives NaN in its dims
+// where eager SDPA gives +-Inf.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -114,6 +125,7 @@ __device__ __forceinline__ unsigned long long clock_ns() {
 constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
 constexpr int kBalancedMaxBatch = 2048;  // sequences the balanced grid takes (cuda_native's)
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
+constexpr float kLog2e = 1.4426950408889634f;
 
 // What the cache holds; the codes are the C ABI's (cuda_native.KINDS lists them in order).
 enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
@@ -160,6 +172,8 @@ struct Args {
   float* part_o;          // [splits, T, Hq, D] fp32 (splits > 1)
   float* part_lse;        // [splits, T, Hq] fp32, log2 domain
   float scale_log2;       // softmax scale * log2(e)
+  float cap, cap_k;       // soft cap (kCap): softcap * log2(e) and 2 / softcap (soft_cap)
+  int64_t window;         // keys a query reaches back, itself included; 0: unlimited
   int64_t num_tokens, num_q_heads;
   int group, num_blocks, max_blocks, batch, num_kv_heads;
   int page, page_shift;   // page_shift: log2(page) for a power of two, else -1
@@ -410,16 +424,27 @@ __device__ __forceinline__ float log_sum_exp2(float m, float l) {
   return l > 0.f ? m + log2f(l) : l == 0.f ? -INFINITY : l;
 }
 
-// One sequence's lengths, clamped as the Triton kernel clamps them.
+// One sequence's lengths, clamped as the Triton kernel clamps them, and the first key its
+// query reads: the query sits at position len - 1, so a window reaches back to len - window.
 struct Seq {
-  int64_t len, q_start, q_end;
+  int64_t len, q_start, q_end, first;
 };
 __device__ __forceinline__ Seq sequence(const Args& a, int b) {
   const int64_t len = clamp(load_index(a.seq_lens, b, a.index64 & 2), 0,
                             static_cast<int64_t>(a.max_blocks) * a.page);
   const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
   return {len, q_start,
-          clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens)};
+          clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens),
+          a.window > 0 && len > a.window ? len - a.window : 0};
+}
+
+// softcap * tanh(score / softcap) in the log2 domain: for s = score * log2(e) and C =
+// softcap * log2(e) it is C tanh(s / C) = C - 2C / (1 + 2^(2 s / softcap)). Two MUFU ops;
+// the error is that of ex2.approx and the fast division, a few ulp of C (tanh's own
+// cancellation near 0 costs nothing here: the score's absolute error is what the softmax
+// sees). +-inf give +-C, NaN stays NaN.
+__device__ __forceinline__ float soft_cap(float s, float cap, float cap_k) {
+  return fmaf(-2.f * cap, __fdividef(1.f, 1.f + exp2_ftz(s * cap_k)), cap);
 }
 
 // One CTA's pass over keys [kv_lo, kv_hi) of sequence b (its query token `token`, seq_len
@@ -427,8 +452,9 @@ __device__ __forceinline__ Seq sequence(const Args& a, int b) {
 // them, and each row's result goes to emit(r, d, value, m, l) (row r = slot * group + h:
 // query head h of KV head kvh0 + slot; m, l: its max score and sum of exponentials, log2
 // domain). It ends with __syncthreads, so the CTA may run another span after it.
-// H: KV heads per CTA. E: the output dtype, also the query's, and the 16-bit cache's.
-template <int D, int KIND, int H, typename E, typename Emit>
+// H: KV heads per CTA. kCap: scores are soft-capped (soft_cap). E: the output dtype, also the
+// query's, and the 16-bit cache's.
+template <int D, int KIND, int H, bool kCap, typename E, typename Emit>
 __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int64_t seq_len,
                                             int64_t token, int64_t kv_lo, int64_t kv_hi,
                                             Emit emit) {
@@ -624,12 +650,17 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
     cp_async_commit();
     next_at = locate_lane(i + S + 1);
 
-    // Online softmax per head (2t + h): the tile's max, a lazy rescale, then P. Only the
-    // last tile of a split has tokens past its end to mask (a warp-uniform branch).
+    // Online softmax per head (2t + h): the scores (soft-capped), the tile's max, a lazy
+    // rescale, then P. Only the last tile of a span has tokens past its end to mask (a
+    // warp-uniform branch); a span never starts before its sequence's window.
 #pragma unroll
     for (int j = 0; j < ROWS; ++j) {
       sc[j][0] *= qs[0] * ks[j];
       sc[j][1] *= qs[1] * ks[j];
+      if constexpr (kCap) {
+        sc[j][0] = soft_cap(sc[j][0], a.cap, a.cap_k);
+        sc[j][1] = soft_cap(sc[j][1], a.cap, a.cap_k);
+      }
     }
     if (tile + kTile > kv_hi) {
       const int rest = static_cast<int>(kv_hi - tile) - g * ROWS;  // this thread's tokens kept
@@ -781,8 +812,9 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
 }
 
 // The split grid: one CTA per (group of H KV heads, sequence, split), heads fastest, each on
-// its split's chunk of the keys; with more than one split a combine kernel merges them.
-template <int D, int KIND, int H, typename E>
+// its split's chunk of the keys the query reads (from its window's start); with more than
+// one split a combine kernel merges them.
+template <int D, int KIND, int H, bool kCap, typename E>
 __device__ __forceinline__ void split_grid(const Args& a) {
   using T = Traits<KIND, D>;
   constexpr int cta_tokens = T::warps / H * T::tile;  // split chunks are multiples of it
@@ -795,15 +827,15 @@ __device__ __forceinline__ void split_grid(const Args& a) {
   if (!a.query_pending) grid_wait();  // everything may come from the grid before
   const Seq s = sequence(a, b);
   if (s.q_end == s.q_start) return;  // no query token for this sequence
-  const int64_t chunk = ((s.len + splits - 1) / splits + cta_tokens - 1) / cta_tokens *
-                        cta_tokens;
-  const int64_t kv_lo = split * chunk;
+  const int64_t chunk = ((s.len - s.first + splits - 1) / splits + cta_tokens - 1) /
+                        cta_tokens * cta_tokens;
+  const int64_t kv_lo = s.first + split * chunk;
   const int64_t kv_hi = kv_lo + chunk < s.len ? kv_lo + chunk : s.len;
   const int64_t row0 = s.q_start * a.num_q_heads + static_cast<int64_t>(kvh0) * a.group;
   const int64_t rows = a.num_tokens * a.num_q_heads;
   E* out = static_cast<E*>(a.out);
-  decode_span<D, KIND, H, E>(a, b, kvh0, s.len, s.q_start, kv_lo, kv_hi,
-                             [&](int r, int d, float val, float m, float l) {
+  decode_span<D, KIND, H, kCap, E>(a, b, kvh0, s.len, s.q_start, kv_lo, kv_hi,
+                                   [&](int r, int d, float val, float m, float l) {
     const int64_t row = row0 + r;
     if (splits == 1) {
       out[row * D + d] = to_out<E>(val);
@@ -820,21 +852,19 @@ __device__ __forceinline__ float4 load_l2(const float* p) {
   return __ldcg(reinterpret_cast<const float4*>(p));
 }
 
-// The balanced grid: as many CTAs as the split grid would launch (cuda.balanced_ctas; a
-// multiple of the head groups), CTA c serving head group c % groups, each with an equal
-// share of all the launch's key steps
-// (cta_tokens keys of one sequence), in (sequence, keys) order: CTAs c and c + 1 stream the
-// same token rows of neighbouring heads at the same time, as the split grid's heads-first
-// order does (on the H200 a (sequence, head group, keys) order was 20% slower at B=64). A
-// share is a run of steps: whole items (sequence, head group) in the middle, written
-// straight to the output, and at most two pieces of items shared with the CTAs before and
-// after it, written to its two partial slots. The CTA whose piece completes an item's
-// steps (an atomic count per item, which it resets to 0 for the next launch) merges the
-// pieces in CTA order, so the result does not depend on which CTA that is. With equal
-// lengths the shares are the split grid's chunks; with unequal ones a long sequence is
-// spread over many CTAs, where the split grid gives it as many as a short one; and no
-// combine kernel runs.
-template <int D, int KIND, int H, typename E>
+// The balanced grid: as many CTAs as the split grid would launch (cuda.balanced_ctas; a multiple of
+// the head groups), CTA c serving head group c % groups, each with an equal share of all the
+// launch's key steps (cta_tokens keys of one sequence, from its window's start), in (sequence,
+// keys) order: CTAs c and c + 1 stream the same token rows of neighbouring heads at the same time,
+// as the split grid's heads-first order does (on the H200 a (sequence, head group, keys) order was
+// 20% slower at B=64). A share is a run of steps: whole items (sequence, head group) in the middle,
+// written straight to the output, and at most two pieces of items shared with the CTAs before and
+// after it, written to its two partial slots. The CTA whose piece completes an item's steps (an
+// atomic count per item, which it resets to 0 for the next launch) merges the pieces in CTA order,
+// so the result does not depend on which CTA that is. With equal lengths the shares are the split
+// grid's chunks; with unequal ones a long sequence is spread over many CTAs, where the split grid
+// gives it as many as a short one; and no combine kernel runs.
+template <int D, int KIND, int H, bool kCap, typename E>
 __device__ __forceinline__ void balanced_grid(const Args& a) {
   using T = Traits<KIND, D>;
   constexpr int kWarps = T::warps, kThreads = kWarps * 32;
@@ -867,7 +897,8 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
   // Steps of a sequence: none without a query token, one for a query without keys (its
   // output is still written).
   const auto steps_of = [](const Seq& s) -> int64_t {
-    return s.q_end == s.q_start ? 0 : s.len == 0 ? 1 : (s.len + cta_tokens - 1) / cta_tokens;
+    if (s.q_end == s.q_start) return 0;
+    return s.len == 0 ? 1 : (s.len - s.first + cta_tokens - 1) / cta_tokens;
   };
   // An exclusive scan of the sequences' steps to find where this CTA's share starts: sequence
   // j kThreads + t is thread t's in round j, all rounds' lengths loaded at once, then one
@@ -937,9 +968,10 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
                         2 * static_cast<int64_t>(blockIdx.x) + (pos == s_lo ? 0 : 1), b,
                         s0 == 0 && s1 == n};
     }
-    const int64_t kv_hi = s1 * cta_tokens < s.len ? s1 * cta_tokens : s.len;
-    decode_span<D, KIND, H, E>(a, b, hg * H, s.len, s.q_start, s0 * cta_tokens, kv_hi,
-                               [&](int r, int d, float val, float m, float l) {
+    const int64_t kv_lo = s.first + s0 * cta_tokens, kv_end = s.first + s1 * cta_tokens;
+    const int64_t kv_hi = kv_end < s.len ? kv_end : s.len;
+    decode_span<D, KIND, H, kCap, E>(a, b, hg * H, s.len, s.q_start, kv_lo, kv_hi,
+                                     [&](int r, int d, float val, float m, float l) {
       const Piece& p = s_piece[k & 1];
       if (p.whole) {
         out[(p.row0 + r) * D + d] = to_out<E>(val);
@@ -1020,8 +1052,9 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
 
 // kBalanced: the balanced grid, else the split grid (two kernels: the balanced grid's loop
 // over pieces takes the split grid's 4-warp variants up to 40 more registers, 2 CTAs per SM
-// instead of 3).
-template <int D, int KIND, int H, bool kBalanced, typename E>
+// instead of 3). kCap: soft-capped scores, a kernel of its own, so that a call without a cap
+// runs none of its instructions.
+template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
 __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>)
     paged_decode_kernel(const Args a) {
 #ifdef PF_CTA_CLOCK
@@ -1029,9 +1062,9 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
   if (threadIdx.x == 0 && blockIdx.x < kClockCtas) g_cta_clock[4 * blockIdx.x + 1] = clock_start;
 #endif
   if constexpr (kBalanced) {
-    balanced_grid<D, KIND, H, E>(a);
+    balanced_grid<D, KIND, H, kCap, E>(a);
   } else {
-    split_grid<D, KIND, H, E>(a);
+    split_grid<D, KIND, H, kCap, E>(a);
   }
 #ifdef PF_CTA_CLOCK
   __syncthreads();
@@ -1062,10 +1095,10 @@ cudaError_t opt_in(Kernel kernel) {
 
 // One variant: launch it on a grid of (groups of H KV heads, sequences, splits), or of
 // l.ctas CTAs (the balanced grid).
-template <int D, int KIND, int H, bool kBalanced, typename E>
+template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
 cudaError_t launch(const Args& a, const Launch& l) {
   using T = Traits<KIND, D>;
-  const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, E>;
+  const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, kCap, E>;
   const cudaError_t opted = opt_in<D, KIND>(kernel);
   if (opted != cudaSuccess) return opted;
   cudaLaunchAttribute attr{};
@@ -1080,9 +1113,15 @@ cudaError_t launch(const Args& a, const Launch& l) {
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
+// The grid (balanced or split) with or without the soft cap (a.cap > 0).
 template <int D, int KIND, int H, typename E>
 cudaError_t launch_grid(const Args& a, const Launch& l) {
-  return l.ctas > 0 ? launch<D, KIND, H, true, E>(a, l) : launch<D, KIND, H, false, E>(a, l);
+  if (a.cap > 0.f) {
+    return l.ctas > 0 ? launch<D, KIND, H, true, true, E>(a, l)
+                      : launch<D, KIND, H, false, true, E>(a, l);
+  }
+  return l.ctas > 0 ? launch<D, KIND, H, true, false, E>(a, l)
+                    : launch<D, KIND, H, false, false, E>(a, l);
 }
 
 // CTAs of a kernel that fit on one multiprocessor at once (registers and shared memory).
@@ -1104,9 +1143,9 @@ cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
   if (info != nullptr) {
     info[1] = T::warps, info[2] = T::tile, info[3] = T::heads;
     const cudaError_t split = resident<D, KIND>(
-        paged_decode_kernel<D, KIND, T::heads, false, E>, info);
+        paged_decode_kernel<D, KIND, T::heads, false, false, E>, info);
     if (split != cudaSuccess) return split;
-    return resident<D, KIND>(paged_decode_kernel<D, KIND, T::heads, true, E>, info + 4);
+    return resident<D, KIND>(paged_decode_kernel<D, KIND, T::heads, true, false, E>, info + 4);
   }
   if (l.heads < 1 || a.num_kv_heads % l.heads != 0) return cudaErrorInvalidValue;
   if (l.ctas > 0 && (a.batch > kBalancedMaxBatch || a.counters == nullptr ||
@@ -1170,9 +1209,11 @@ extern "C" {
 // index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. pdl
 // (sm_90 only): 0 a plain launch; 1 a programmatic dependent launch that waits for the grid
 // before it ahead of its first read; 2 the same after a grid that writes only q and q_scale
-// (quantize_int8, launched plainly), so everything else is read before the wait. sizes:
-// num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a
-// power of two); strides: the query's token stride (elements), then (block, token, head)
+// (quantize_int8, launched plainly), so everything else is read before the wait. softcap:
+// scores become softcap * tanh(score / softcap) (0: no cap). sizes: num_tokens,
+// num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a power of two),
+// window (keys a query reaches back, itself included, at most max_blocks * page; 0:
+// unlimited); strides: the query's token stride (elements), then (block, token, head)
 // of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
 // column). heads: KV heads per CTA, 1, 2 or 4, dividing num_kv_heads (the op's choice:
 // cuda_native.heads_per_cta). ctas > 0: the balanced grid of that many CTAs, a multiple of
@@ -1186,7 +1227,7 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
                      const void* v, const float* k_scale, const float* v_scale,
                      const void* block_table, const void* seq_lens, const void* query_start,
                      void* out, float* part_o, float* part_lse, float scale_log2,
-                     const int64_t* sizes, const int64_t* strides) {
+                     float softcap, const int64_t* sizes, const int64_t* strides) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   Args a{};
@@ -1194,10 +1235,12 @@ int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int inde
   a.k = static_cast<const int8_t*>(k), a.v = static_cast<const int8_t*>(v);
   a.block_table = block_table, a.seq_lens = seq_lens, a.query_start = query_start;
   a.out = out, a.part_o = part_o, a.part_lse = part_lse, a.scale_log2 = scale_log2;
+  if (softcap > 0.f) a.cap = softcap * kLog2e, a.cap_k = 2.f / softcap;  // else 0: no cap
   a.num_tokens = sizes[0], a.num_q_heads = sizes[1];
   a.group = static_cast<int>(sizes[2]), a.num_blocks = static_cast<int>(sizes[3]);
   a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
-  a.page_shift = static_cast<int>(sizes[6]), a.index64 = index64, a.query_pending = pdl == 2;
+  a.page_shift = static_cast<int>(sizes[6]), a.window = sizes[7];
+  a.index64 = index64, a.query_pending = pdl == 2;
   a.batch = static_cast<int>(batch), a.num_kv_heads = static_cast<int>(num_kv_heads);
   a.counters = counters;
   // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
@@ -1229,7 +1272,8 @@ int pagedfuse_decode_probe(int device) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, paged_decode_kernel<128, kInt8KV, 4, false, __nv_bfloat16>);
+  return cudaFuncGetAttributes(&attr,
+                               paged_decode_kernel<128, kInt8KV, 4, false, false, __nv_bfloat16>);
 }
 
 #ifdef PF_CTA_CLOCK

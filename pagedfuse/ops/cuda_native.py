@@ -30,6 +30,8 @@ MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 BALANCED_MAX_BATCH = 2048  # sequences the balanced grid takes (the kernel's kBalancedMaxBatch)
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
+# The soft caps the kernel takes: it computes softcap * log2(e) and 2 / softcap in float32.
+SOFTCAP_RANGE = (2.0**-100, 2.0**100)
 # How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
 # launch that waits for the grid before it ahead of any read; or as one right after
 # quantize_int8's grid (which releases it early), reading all but the query before waiting.
@@ -43,7 +45,8 @@ _DECODE_ARGTYPES = [
     ctypes.c_int, ctypes.c_int,  # head_dim, KV heads per CTA
     _I64, _I64, _I64, _I64, _P,  # batch, KV heads, splits, balanced CTAs, counters
     _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
-    ctypes.c_float, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
+    ctypes.c_float, ctypes.c_float,  # scale * log2(e), softcap (0: none)
+    ctypes.POINTER(_I64), ctypes.POINTER(_I64),  # sizes, strides
 ]
 
 
@@ -183,6 +186,10 @@ def decode_unsupported(call: PagedCall) -> str | None:
         return "dynamic head counts"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
+    cap = call.softcap
+    if cap is not None and not (isinstance(cap, (int, float))
+                                and SOFTCAP_RANGE[0] <= cap <= SOFTCAP_RANGE[1]):
+        return f"softcap {cap} outside [2^-100, 2^100] (float32 in the kernel)"
     scales = [s for s in (call.key_scale, call.value_scale) if s is not None]
     tensors = (key_cache, value_cache, *scales, call.block_table)
     if not _static([n for t in tensors for n in (*t.shape, *t.stride())]):
@@ -222,7 +229,9 @@ def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
     PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced grid of
     that many CTAs instead (cuda_decode.balanced_ctas; ``splits`` unused), which merges its
     own pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
-    ``counters`` comes from balanced_counters."""
+    ``counters`` comes from balanced_counters. The call's window_left and softcap go to the
+    kernel as they are, a window longer than the table's capacity clamped to it (it then
+    hides no key either)."""
     g = call.geometry
     key_cache, value_cache = call.key_cache, call.value_cache
     key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
@@ -242,8 +251,9 @@ def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
             raise ValueError(f"ctas={ctas} must be a multiple of the {groups} head groups")
     page = g.block_size
     shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
-    sizes = (_I64 * 7)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
-                       shift)
+    window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
+    sizes = (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
+                       shift, window)
     no_scale = (0, 0, 0)
     strides = (_I64 * 15)(
         q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
@@ -264,7 +274,7 @@ def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
         pdl, g.head_dim, heads,
         batch, num_kv_heads, splits, ctas, counters.data_ptr() if ctas else None,
         *((t if t is not None else out).data_ptr() for t in tensors),
-        scale_log2, sizes, strides)
+        scale_log2, call.softcap or 0.0, sizes, strides)
     if err:
         raise RuntimeError(f"pagedfuse decode launch failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")

@@ -1,8 +1,8 @@
 """The CUDA C++ decode (csrc/cuda/paged_decode.cu, bound in cuda_native.py) as a backend:
 one query token per sequence, no attn_bias, 16-bit queries, at most MAX_GROUP query heads
-per KV head. Where it applies it outranks the Triton kernel: on the H200 it is as fast or
-faster for every cache format and head_dim it is built for, bf16 at B >= 8 by 2-14%
-(2026-11-30; docs/cuda-decode.md)."""
+per KV head, with window_left and softcap. Where it applies it outranks the Triton kernel:
+on the H200 it is as fast or faster for every cache format and head_dim it is built for,
+bf16 at B >= 8 by 2-14% (2026-11-30; docs/cuda-decode.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops import cuda, cuda_native
 from pagedfuse.ops.backends.registry import Backend, register_backend
+from pagedfuse.ops.backends.triton import keys_bound
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
 from pagedfuse.ops.triton_paged import LOG2E
@@ -85,16 +86,17 @@ def launch_plan(kind: str, num_kv_heads: int, head_dim: int, batch: int, context
 def make_plan(call: PagedCall, config: LaunchConfig | None = None,
               splits: int | None = None) -> DecodePlan:
     """The launch of ``call``: the heuristics' choice, or ``config`` (native_config with a
-    chosen ``heads``) / ``splits`` (BALANCED: the balanced grid) instead."""
+    chosen ``heads``) / ``splits`` (BALANCED: the balanced grid) instead. With a window the
+    splits divide only the window's keys."""
     g, device = call.geometry, call.device
     kind = cuda_native.kind_of(call.key_cache, call.value_cache)
     config = config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch, device)
-    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.context_bound, device,
+    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, keys_bound(call), device,
                        config, splits, envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
 
 
 def supports(call: PagedCall) -> str | None:
-    missing = options_missing(call, "cuda_decode")
+    missing = options_missing(call, "cuda_decode", implemented=("window_left", "softcap"))
     if missing:
         return missing
     if call.attn_bias is not None:
