@@ -217,6 +217,54 @@ def aligned_rows(q: torch.Tensor) -> bool:
             and q.stride(0) * size % ALIGN == 0)
 
 
+class _Constants(NamedTuple):
+    """The launch arguments that depend only on a call's signature (its Geometry), the
+    query's row stride and the window: built once per signature, since building the ctypes
+    arrays cost more than the rest of the launch."""
+
+    kind: int
+    out_dtype: int
+    index64: int
+    sizes: ctypes.Array
+    strides: ctypes.Array
+
+
+_CONSTANTS: dict[tuple, _Constants] = {}
+_CONSTANTS_LIMIT = 4096
+
+
+def _launch_constants(call: PagedCall, q: torch.Tensor) -> _Constants:
+    key = (call.geometry, q.stride(0), call.window_left)
+    found = _CONSTANTS.get(key)
+    if found is not None:
+        return found
+    g = call.geometry
+    key_cache, value_cache = call.key_cache, call.value_cache
+    key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
+    page = g.block_size
+    shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
+    window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
+    sizes = (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
+                       shift, window)
+    no_scale = (0, 0, 0)
+    strides = (_I64 * 15)(
+        q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
+        *(s * value_cache.element_size() for s in value_cache.stride()[:3]),
+        *(key_scale.stride() if key_scale is not None else no_scale),
+        *(value_scale.stride() if value_scale is not None else no_scale),
+        *block_table.stride())
+    found = _Constants(
+        KINDS.index(kind_of(key_cache, value_cache)),
+        0 if call.query.dtype == torch.bfloat16 else 1,
+        sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
+            if t.dtype == torch.int64),
+        sizes, strides)
+    if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
+        _CONSTANTS.clear()
+    _CONSTANTS[key] = found
+    return found
+
+
 def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
                 q_scale: torch.Tensor | None, scale_log2: float, splits: int, heads: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
@@ -249,32 +297,18 @@ def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
                              f"({batch * groups}; balanced_counters)")
         if ctas % groups:
             raise ValueError(f"ctas={ctas} must be a multiple of the {groups} head groups")
-    page = g.block_size
-    shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
-    window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
-    sizes = (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
-                       shift, window)
-    no_scale = (0, 0, 0)
-    strides = (_I64 * 15)(
-        q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
-        *(s * value_cache.element_size() for s in value_cache.stride()[:3]),
-        *(key_scale.stride() if key_scale is not None else no_scale),
-        *(value_scale.stride() if value_scale is not None else no_scale),
-        *block_table.stride())
+    constants = _launch_constants(call, q)
     # Pointer slots the kind does not read get any tensor's.
     tensors = (q, q_scale, key_cache, value_cache, key_scale, value_scale, block_table,
                call.seq_lens, call.query_start_loc, out, part_o, part_lse)
     lib = library()
+    index = _index(out.device)
     err = lib.pagedfuse_decode(
-        _index(out.device), torch.cuda.current_stream(out.device).cuda_stream,
-        KINDS.index(kind_of(key_cache, value_cache)),
-        0 if out.dtype == torch.bfloat16 else 1,
-        sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
-            if t.dtype == torch.int64),
-        pdl, g.head_dim, heads,
+        index, torch._C._cuda_getCurrentRawStream(index), constants.kind, constants.out_dtype,
+        constants.index64, pdl, g.head_dim, heads,
         batch, num_kv_heads, splits, ctas, counters.data_ptr() if ctas else None,
         *((t if t is not None else out).data_ptr() for t in tensors),
-        scale_log2, call.softcap or 0.0, sizes, strides)
+        scale_log2, call.softcap or 0.0, constants.sizes, constants.strides)
     if err:
         raise RuntimeError(f"pagedfuse decode launch failed: "
                            f"{lib.pagedfuse_cuda_error_string(err).decode()}")

@@ -35,13 +35,20 @@ def native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
     (tinyllama) as fast as 8, where the same 6 splits cost bf16 10-13%
     (2026-11-30, the native sweep). ``balanced`` (default PAGEDFUSE_BALANCED):
     the balanced grid rather than fixed splits, up to its batch limit."""
+    return _native_config(kind, head_dim, num_kv_heads, batch, device, heads,
+                          envs.PAGEDFUSE_BALANCED if balanced is None else balanced)
+
+
+@functools.lru_cache(maxsize=1024)
+def _native_config(kind: str, head_dim: int, num_kv_heads: int, batch: int,
+                   device: torch.device, heads: int | None, balanced: bool) -> LaunchConfig:
+    """native_config's arithmetic, cached: an eager call asks for it every time."""
     variant = cuda_native.decode_variant(device, kind, head_dim)
     if heads is None:
         heads = cuda_native.heads_per_cta(variant, num_kv_heads, batch, cuda.sm_count(device))
     return LaunchConfig(cuda_native.cta_tokens(variant, heads), variant.warps, 1,
                         resident=variant.resident * heads, pow2_wave=kind != "int8_k",
-                        heads=heads,
-                        balanced=envs.PAGEDFUSE_BALANCED if balanced is None else balanced)
+                        heads=heads, balanced=balanced)
 
 
 @functools.lru_cache(maxsize=1024)

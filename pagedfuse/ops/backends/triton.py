@@ -8,6 +8,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from pagedfuse import envs
 from pagedfuse.ops import cuda
@@ -85,6 +86,24 @@ def keys_bound(call: PagedCall) -> int:
     return min(call.context_bound, call.window_left + call.query_bound - 1)
 
 
+# The launch config each kernel specialisation runs with where its plan's needs more shared
+# memory than the GPU has (head_dim 256 with several query rows per tile; INT8 V at head_dim
+# 128 and up, whose V tile is transposed through shared memory): found by launching, as
+# ptxas decides the bytes and GPUs differ (232 KB per block on the H200, 163 KB on an A100).
+_FITTED: dict[tuple, LaunchConfig] = {}
+
+
+def _smaller(config: LaunchConfig) -> LaunchConfig | None:
+    """The next config to try after ``config`` ran out of shared memory: one pipeline stage,
+    then half the keys per tile, down to 16 (None: nothing smaller). The splits' chunks are
+    rounded to the kernel's own BLOCK_N, so the plan's split count stays valid."""
+    if config.num_stages > 1:
+        return config._replace(num_stages=1)
+    if config.block_n > 16:
+        return config._replace(block_n=config.block_n // 2)
+    return None
+
+
 def supports(call: PagedCall) -> str | None:
     return options_missing(call, "triton", implemented=("window_left", "softcap"))
 
@@ -105,11 +124,10 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
     ks = call.key_scale if int8_k else q_scale
     vs = call.value_scale if call.value_scale is not None else ks
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
-    config = p.config
     # A window as long as the table holds keys hides none: clamped there it stays an int32.
     window = 0 if call.window_left is None else min(call.window_left,
                                                     g.max_blocks * g.block_size)
-    paged_attention_kernel[(g.batch, g.num_kv_heads, p.splits)](
+    args = (
         q, q_scale, key_cache, value_cache, ks, vs, call.block_table, call.seq_lens,
         call.query_start_loc, bias, out, part_o, part_lse,
         call.scale * LOG2E, (call.softcap or 0.0) * LOG2E, window,
@@ -117,16 +135,28 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
         q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         *(ks.stride() if int8_k else (0, 0, 0)),
         *(vs.stride() if v_int8 else (0, 0, 0)),
-        *call.block_table.stride(), *bias_strides, bias_rows, bias_cols,
+        *call.block_table.stride(), *bias_strides, bias_rows, bias_cols)
+    constexprs = dict(
         GROUP=p.group, GROUP_PAD=p.group_pad, QT=p.qt, BLOCK_M=p.block_m,
-        BLOCK_N=config.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, INT8_K=int8_k, V_INT8=v_int8,
         CAUSAL=call.causal, HAS_BIAS=call.attn_bias is not None, BIAS_BOOL=bias_bool,
         DIRECT=p.splits == 1,
         PRECISION="ieee" if out.dtype == torch.float32 else "tf32", DECODE=p.decode,
-        WINDOW=call.window_left is not None, SOFTCAP=call.softcap is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        WINDOW=call.window_left is not None, SOFTCAP=call.softcap is not None)
+    key = (out.device, q.dtype, value_cache.dtype, out.dtype, p.config,
+           *constexprs.values())
+    config = _FITTED.get(key, p.config)
+    while True:
+        try:
+            paged_attention_kernel[(g.batch, g.num_kv_heads, p.splits)](
+                *args, **constexprs, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+            break
+        except OutOfResources:
+            config = _smaller(config)
+            if config is None:
+                raise
+            _FITTED[key] = config
     if p.splits > 1:
         cuda.combine(call, out, part_o, part_lse, p.splits, p.pdl)
 
