@@ -196,3 +196,4 @@ def test_a_call_that_needs_gradients_fails_at_backward():
     assert torch.equal(out.detach(), case.run_op())
     with pytest.raises(RuntimeError, match="pagedfuse::paged_attention has no backward"):
         out.sum().backward()
+

@@ -107,6 +107,14 @@ class PagedCall(NamedTuple):
             g.max_blocks * g.block_size
 
     @property
+    def keys_bound(self) -> int:
+        """An upper bound on the keys one sequence's queries read: the context, or with a
+        window the window plus the queries after the first (what split-KV grids divide)."""
+        if self.window_left is None:
+            return self.context_bound
+        return min(self.context_bound, self.window_left + self.query_bound - 1)
+
+    @property
     def decode(self) -> bool:
         """At most one query token per sequence, known from the hint or the shapes."""
         return self.query_bound <= 1
@@ -119,6 +127,11 @@ class PagedCall(NamedTuple):
 
 # Optional semantics a kernel may not implement yet (it declines calls that use them).
 OPTIONS = ("window_left", "softcap")
+
+
+# The soft caps the op takes: every kernel computes c * tanh(s / c) in float32, which these
+# keep clear of overflow and denormals.
+SOFTCAP_RANGE = (2.0**-100, 2.0**100)
 
 
 def options_missing(call: PagedCall, kernel: str,

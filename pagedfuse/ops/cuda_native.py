@@ -30,8 +30,6 @@ MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
 BALANCED_MAX_BATCH = 2048  # sequences the balanced grid takes (the kernel's kBalancedMaxBatch)
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
-# The soft caps the kernel takes: it computes softcap * log2(e) and 2 / softcap in float32.
-SOFTCAP_RANGE = (2.0**-100, 2.0**100)
 # How the decode launches (programmatic dependent launch needs sm_90): plainly; as a PDL
 # launch that waits for the grid before it ahead of any read; or as one right after
 # quantize_int8's grid (which releases it early), reading all but the query before waiting.
@@ -186,10 +184,6 @@ def decode_unsupported(call: PagedCall) -> str | None:
         return "dynamic head counts"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
-    cap = call.softcap
-    if cap is not None and not (isinstance(cap, (int, float))
-                                and SOFTCAP_RANGE[0] <= cap <= SOFTCAP_RANGE[1]):
-        return f"softcap {cap} outside [2^-100, 2^100] (float32 in the kernel)"
     scales = [s for s in (call.key_scale, call.value_scale) if s is not None]
     tensors = (key_cache, value_cache, *scales, call.block_table)
     if not _static([n for t in tensors for n in (*t.shape, *t.stride())]):

@@ -18,7 +18,7 @@ import torch
 
 from pagedfuse import envs
 from pagedfuse.ops.backends import registry
-from pagedfuse.ops.call import INT8_OP, Geometry, PagedCall
+from pagedfuse.ops.call import INT8_OP, SOFTCAP_RANGE, Geometry, PagedCall
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -204,8 +204,9 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
 
 def check_options(window_left: object, softcap: object) -> None:
     """The optional semantics: ``window_left`` None or an int >= 1 (the keys a query reaches
-    back, itself included), ``softcap`` None or a finite float > 0. Traced values (SymInt,
-    SymFloat) are checked when the op runs."""
+    back, itself included), ``softcap`` None or a float in SOFTCAP_RANGE (every kernel
+    computes the cap in float32). Traced values (SymInt, SymFloat) are checked when the op
+    runs."""
     if window_left is not None and not isinstance(window_left, torch.SymInt) and (
             isinstance(window_left, bool) or not isinstance(window_left, int)
             or window_left < 1):
@@ -213,9 +214,9 @@ def check_options(window_left: object, softcap: object) -> None:
                          f"itself included), got {window_left!r}")
     if softcap is not None and not isinstance(softcap, torch.SymFloat) and (
             isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-            or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(f"softcap: must be None or a finite float > 0 (scores become "
-                         f"softcap * tanh(score / softcap)), got {softcap!r}")
+            or not SOFTCAP_RANGE[0] <= softcap <= SOFTCAP_RANGE[1]):
+        raise ValueError(f"softcap: must be None or a float in [2^-100, 2^100] (scores become "
+                         f"softcap * tanh(score / softcap), in float32), got {softcap!r}")
 
 
 def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,

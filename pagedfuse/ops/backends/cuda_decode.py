@@ -14,7 +14,6 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops import cuda, cuda_native
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.backends.triton import keys_bound
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
 from pagedfuse.ops.triton_paged import LOG2E
@@ -98,7 +97,7 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     g, device = call.geometry, call.device
     kind = cuda_native.kind_of(call.key_cache, call.value_cache)
     config = config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch, device)
-    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, keys_bound(call), device,
+    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.keys_bound, device,
                        config, splits, envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
 
 

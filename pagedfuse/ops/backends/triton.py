@@ -67,7 +67,7 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     (the benchmarks' sweeps)."""
     g, device = call.geometry, call.device
     chosen = launch_plan(g.num_tokens, g.num_q_heads, g.num_kv_heads, g.head_dim, g.batch,
-                         keys_bound(call), call.max_query_len, cuda.sm_count(device),
+                         call.keys_bound, call.max_query_len, cuda.sm_count(device),
                          config or launch_config(call.int8_k),
                          envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
     if splits is None:
@@ -76,14 +76,6 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
         raise ValueError(f"splits={splits}: the Triton kernel takes 1 or more (0, the "
                          "balanced grid, is the CUDA C++ decode's)")
     return chosen._replace(splits=splits)
-
-
-def keys_bound(call: PagedCall) -> int:
-    """An upper bound on the keys one sequence's program reads: the context, or with a window
-    the window plus the queries after the first (the splits divide only those keys)."""
-    if call.window_left is None:
-        return call.context_bound
-    return min(call.context_bound, call.window_left + call.query_bound - 1)
 
 
 # The launch config each kernel specialisation runs with where its plan's needs more shared
