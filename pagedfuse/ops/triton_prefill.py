@@ -50,6 +50,36 @@ from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plan, pr
 from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds
 from pagedfuse.ops.triton_quantize import quantize_int8
 
+MAGIC: tl.constexpr = tl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
+MAGIC_F: tl.constexpr = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE: tl.constexpr,
+            MASKED: tl.constexpr):
+    """The cache blocks of keys ``offs_n`` (n_ok: in the sequence; read only if MASKED)."""
+    if MASKED:
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
+    return cache_blocks(blk, num_blocks)
+
+
+@triton.jit
+def _key_scales(s_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks, stride_sb,
+                stride_st, stride_sh, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Per-key scales of keys ``offs_n`` (0 past the sequence if MASKED). Loaded as a
+    [keys, 2] tile and summed: the compiler cannot move a reduction into the score tile's
+    layout, so the loads stay few per thread instead of one per column a thread holds (32
+    loads, each with its 64-bit address arithmetic, at 128 keys)."""
+    blk = _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE, MASKED)
+    ptrs = s_ptr + blk * stride_sb + (offs_n % PAGE) * stride_st + kvh * stride_sh
+    first = (tl.arange(0, 2) == 0)[None, :]  # the second column is a 0 the sum adds
+    if MASKED:  # a slot past the sequence may hold any bits, NaN too: P is 0 there
+        first = first & n_ok[:, None]
+    return tl.sum(tl.load(ptrs[:, None] + tl.zeros([1, 2], tl.int32), mask=first, other=0.0),
+                  axis=1)
+
 
 @triton.jit
 def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
@@ -66,13 +96,9 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     is in bounds and visible to every row."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        n_ok = offs_n < seq_len
-        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
-    else:
-        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
-    blk = cache_blocks(blk, num_blocks)
+    n_ok = offs_n < seq_len
     slot = offs_n % PAGE
+    blk = _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE, MASKED)
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
     v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
     if MASKED:
@@ -80,9 +106,15 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     else:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
     if INT8_K:
-        k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh)
-        k_scale = tl.fma(k_scale, 0.0, k_scale)  # an Inf scale counts as NaN, as dequantized
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
+        k_scale = _key_scales(ks_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks,
+                              stride_ksb, stride_kst, stride_ksh, PAGE, MASKED)
+        # int32 -> fp32 by its bits: MAGIC + x is the float 1.5 * 2**23 + x exactly for
+        # |x| < 2**22 (|q.k| <= 127 * 128 * 256 here), and (that - 1.5 * 2**23) * k_scale is
+        # one FFMA with a per-key constant. An Inf scale gives Inf - Inf = NaN, as the
+        # dequantized key's 0 * Inf does.
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32) + MAGIC
+        s = tl.fma(s.to(tl.float32, bitcast=True), k_scale[None, :],
+                   (k_scale * -MAGIC_F)[None, :])
     else:
         s = tl.dot(q, tl.trans(k))
     # log2-domain logits are s * row_scale (row_scale >= 0: the softmax scale is positive)
@@ -116,11 +148,8 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     else:
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
     if V_INT8:
-        vs_ptrs = vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh
-        if MASKED:  # a slot past the sequence may hold any bits, NaN too: P is 0 there
-            v_scale = tl.load(vs_ptrs, mask=n_ok, other=0.0)
-        else:
-            v_scale = tl.load(vs_ptrs)
+        v_scale = _key_scales(vs_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks,
+                              stride_vsb, stride_vst, stride_vsh, PAGE, MASKED)
         pv = p * v_scale[None, :]
         if PV_INT8:
             p_max = tl.max(tl.abs(pv), axis=1)
