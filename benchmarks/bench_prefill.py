@@ -54,6 +54,7 @@ SHORT_CASE = (64, 8192, 4)
 # the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
 MIXED = {"decode_rows": 60, "chunks": 2, "chunk": 512, "history": 8192}
 PAGE = 16
+KINDS = ("bf16", "int8_k", "int8_kv")
 DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
 OPS = torch.ops.pagedfuse
 KERNELS = {  # name -> (cache kind, P·V mode)
@@ -420,7 +421,7 @@ def run_short_sweep(args) -> list[dict]:
     deadline = time.time() + args.budget
     for gname in args.geometries:
         case = Case(GEOMETRIES[gname], *SHORT_CASE, light=True)
-        for kind in args.kinds:
+        for kind in KINDS:
             for extra in short_variants():
                 if time.time() > deadline:
                     break
@@ -608,8 +609,8 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed batch")
     ap.add_argument("--mixed-geometries", nargs="+", default=["llama3_8b"])
-    ap.add_argument("--kinds", nargs="+", default=["bf16", "int8_k", "int8_kv"],
-                    help="cache kinds the sweeps time")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS),
+                    help="cache kinds the tile-shape sweep times (the short-query one: all)")
     ap.add_argument("--pv-int8", action="store_true", help="also time P·V as an int8 dot")
     ap.add_argument("--budget", type=float, default=400, help="seconds; then skip the rest")
     ap.add_argument("--flex-reserve", type=float, default=120,
@@ -642,8 +643,7 @@ def main() -> None:
                 for c in SWEEP_CASES for kind in args.kinds
                 for shape in sweep_shapes(GEOMETRIES[g][2])]
         jobs += [(GEOMETRIES[g], *SHORT_CASE, kind, "half", None, extra)
-                 for g in args.geometries for kind in args.kinds
-                 for extra in short_variants()]
+                 for g in args.geometries for kind in KINDS for extra in short_variants()]
         precompile(jobs, args.workers)
         rows = run_sweep(args) + run_short_sweep(args)
     else:
