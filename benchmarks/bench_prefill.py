@@ -221,6 +221,15 @@ def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
     return out
 
 
+def split_kv(case: Case, kind: str) -> torch.Tensor:
+    """The split-KV Triton kernel (backend ``triton``) on this case."""
+    from pagedfuse.ops.backends import triton as split_kv_backend
+
+    out = torch.empty_like(case.q)
+    split_kv_backend.run(case.call(kind), out)
+    return out
+
+
 def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     """name -> (kind for errors, output layout "bhqd" or "thd", zero-argument callable);
     ``plans``: (geo, kind) -> the tile shape a sweep chose (see plan_for)."""
@@ -238,6 +247,9 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     if case.q_len <= SHORT_Q:  # what a direct call without the length hints gets
         out["pagedfuse op bf16 no hints"] = ("bf16", "thd", lambda: OPS.paged_attention(
             case.q, case.kc, case.vc, *tail[:5], None, None, None))
+        for kind in ("bf16", "int8_kv"):  # the other candidate for short queries
+            out[f"split-KV Triton {kind}"] = (kind, "thd", lambda kind=kind: split_kv(case,
+                                                                                    kind))
     for name, (kind, pv) in KERNELS.items():
         shape = plans.get((case.geo, kind))
         plan = plan_for(case.call(kind), pv, shape) if shape or pv != "half" else None
