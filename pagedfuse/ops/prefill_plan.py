@@ -48,16 +48,27 @@ class PrefillPlan:
 
 
 # (head_dim, cache kind) -> (block_m, block_n, num_warps, num_stages) for q_len >= 128: the
-# fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweep
-# (benchmarks/results/prefill_sweep_h200_2026-12-01.json). INT8 K+V at head_dim 128 takes 64-row
-# tiles: two CTAs per SM, 20-25% faster there than 128 rows, which spill.
+# fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweeps
+# (benchmarks/results/prefill_sweep_h200_2026-12-01.json; INT8 rows re-swept after the INT8
+# changes in prefill_sweep_h200_2026-12-01_int8.json). INT8 K+V at head_dim 128 takes 64-row
+# tiles: two CTAs per SM, 20-25% faster there than 128 rows (which spilled then).
 TILES = {
     (64, "float"): (128, 64, 8, 3), (64, "int8_k"): (128, 128, 4, 3),
     (64, "int8_kv"): (128, 128, 4, 3),
-    (128, "float"): (128, 128, 8, 2), (128, "int8_k"): (128, 128, 8, 2),
+    (128, "float"): (128, 128, 8, 2), (128, "int8_k"): (128, 128, 8, 3),
     (128, "int8_kv"): (64, 64, 4, 2),
-    (256, "float"): (128, 64, 8, 2), (256, "int8_k"): (128, 64, 8, 2),
+    (256, "float"): (128, 64, 8, 2), (256, "int8_k"): (128, 64, 8, 3),
     (256, "int8_kv"): (128, 64, 8, 2),
+}
+# (head_dim, cache kind) -> (block_n, num_stages) of the packed tiles of short queries
+# (pack x query tokens <= SHORT_ROWS), 4 warps: the fastest at B=64, L=8192, q_len 4 in the
+# short-query sweep of prefill_sweep_h200_2026-12-01_int8.json (memory-bound: the widest
+# copy in flight wins, except bf16 at head_dim 128 and 256 and INT8 at 256, where 128-key
+# tiles need too much shared memory or ran slower).
+SHORT_TILES = {
+    (64, "float"): (128, 2), (64, "int8_k"): (128, 2), (64, "int8_kv"): (128, 2),
+    (128, "float"): (64, 3), (128, "int8_k"): (128, 2), (128, "int8_kv"): (128, 2),
+    (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3),
 }
 
 
@@ -78,6 +89,8 @@ def _default_plan(head_dim: int, group: int, query_bound: int, kind: str) -> Pre
     q = min(max(query_bound, 1), block_m)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * q <= block_m)
     rows = max(SHORT_ROWS, min(block_m, next_power_of_2(pack * q)))
+    if pack * q <= SHORT_ROWS:
+        block_n, stages = SHORT_TILES[(head_dim, kind)]
     return PrefillPlan(rows, pack, block_n, warps if rows == block_m else 4, stages)
 
 
