@@ -201,6 +201,7 @@ def test_default_plan_packs_heads_to_fill_a_tile(kind, group, q_bound, pack, blo
     (64, 4, 8192, [(0, 0)], 1),  # q_len 4 at B=64: one packed launch fills the GPU
     (2, 4, 8192, [(0, 0)], 8),  # two sequences: keys split 8 ways
     (64, 64, 8192, [(0, 16), (17, 0)], 1),  # no length hint: short sequences apart
+    (2, 64, 8192, [(0, 16), (17, 0)], 1),  # ... and unsplit: a merge would touch every row
     (1, 512, 8192, [(0, 0)], 1),  # one sequence: its query length is the bound
 ])
 def test_default_launches(batch, q_bound, context, launches, splits):
