@@ -237,3 +237,14 @@ def test_key_splits_merge_to_the_reference(kind):
     assert rel_err(run_prefill(case), case.reference()) < 2e-2
     plan = dataclasses.replace(pp.default_plan(call), splits=3)
     assert rel_err(run_prefill(case, plan), case.reference()) < 2e-2
+
+
+@pytest.mark.parametrize(("kind", "group", "q_bound", "block_n", "stages"), [
+    ("float", 8, 4, 64, 3),  # 32 packed rows: the short-query tiles
+    ("float", 4, 64, 128, 2),  # 128 packed rows: the long-query tiles
+    ("int8_kv", 4, 4, 128, 2),  # short
+    ("int8_kv", 4, 8192, 64, 2),  # long, though its tiles hold 64 rows like the short ones
+])
+def test_short_queries_take_their_own_tiles(kind, group, q_bound, block_n, stages):
+    plan = pp._default_plan(128, group, q_bound, kind)
+    assert (plan.block_n, plan.num_stages) == (block_n, stages)

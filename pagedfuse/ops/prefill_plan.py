@@ -89,7 +89,7 @@ def _default_plan(head_dim: int, group: int, query_bound: int, kind: str) -> Pre
     q = min(max(query_bound, 1), block_m)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * q <= block_m)
     rows = max(SHORT_ROWS, min(block_m, next_power_of_2(pack * q)))
-    if pack * q <= SHORT_ROWS:
+    if pack * max(query_bound, 1) <= SHORT_ROWS:
         block_n, stages = SHORT_TILES[(head_dim, kind)]
     return PrefillPlan(rows, pack, block_n, warps if rows == block_m else 4, stages)
 
