@@ -2,12 +2,16 @@
 
 The decode kernel (triton_paged.py) gives one program a whole sequence and walks its query
 tiles in turn, so an 8K prompt runs on a handful of programs. Here the grid is
-(head pack, query tile, sequence): every tile of every sequence is its own program, so a
-single long prompt fills the GPU. A tile holds ``block_m`` rows, token-major: ``pack``
-query heads of one GQA group (a power of two dividing the group) times ``block_m / pack``
-consecutive query tokens, so one K/V tile read through the block table serves every packed
-head. Short queries pack more heads to fill the rows; long ones take one head and 128
-tokens.
+(head pack, query tile x key split, sequence): every tile of every sequence is its own
+program, so a single long prompt fills the GPU. A tile holds ``block_m`` rows, token-major:
+``pack`` query heads of one GQA group (any divisor of the group; rows past a multiple of it
+idle) times ``block_m // pack`` consecutive query tokens, so one K/V tile read through the
+block table serves every packed head. Short queries pack more heads to fill the rows; long
+ones take one head and 128 tokens. A launch serves the sequences whose query length lies in
+its plan's range, so a batch that may mix short and long ones (no length hint, or decode
+rows beside prompt chunks) runs as two launches, each with its own tiles; a launch of short
+queries on a small grid splits the keys and merges the splits with the split-KV kernels'
+combine.
 
 Per tile, keys run in two stages: the keys every row of the tile sees (no masks, no bounds
 checks) and then the diagonal and ragged tail, masked. Causal masking is bottom-right
@@ -27,13 +31,17 @@ bool mask drops a masked key's score instead of adding -inf to it (a NaN score i
 does not reach the row), and the tensor-core P·V on the causal diagonal multiplies a NaN
 or Inf in V into rows that do not read that key (with weight 0). A version that followed
 the reference there cost accuracy at head_dim 256 on the H200 (bf16 error 1.2e-2 against
-SDPA's 2.1e-3, 2026-12-01) and was not kept.
+SDPA's 2.1e-3, 2026-12-01) and was not kept. A third: an INT8 K scale above about 2.7e31
+(keys above 3.4e33) overflows the per-key constant of the score conversion below and makes
+the score NaN where the reference's may still be finite.
 
 INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
 with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
-the softmax. P·V (``PrefillPlan.pv``): "half" converts int8 V to the activation dtype in
-registers (exact: |v| <= 127) and folds the per-token V scales into P, so P·V is a 16-bit
-dot; "int8" quantizes P per row and runs an int8 dot, as the decode kernel does.
+the softmax: the int32 score becomes a float by its bits and one FFMA with the key's scale,
+then the row's scale joins the softmax's FMA. P·V (``PrefillPlan.pv``): "half" converts
+int8 V to the activation dtype in registers (exact: |v| <= 127) and folds the per-token V
+scales into P, so P·V is a 16-bit dot; "int8" quantizes P per row and runs an int8 dot, as
+the decode kernel does.
 """
 
 from __future__ import annotations
