@@ -49,7 +49,12 @@ GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (3
 CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64),
          (64, 8192, 4))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
+SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the unhinted op
+SHORT_CASE = (64, 8192, 4)
+# the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
+MIXED = {"decode_rows": 60, "chunks": 2, "chunk": 512, "history": 8192}
 PAGE = 16
+KINDS = ("bf16", "int8_k", "int8_kv")
 DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
 OPS = torch.ops.pagedfuse
 KERNELS = {  # name -> (cache kind, P·V mode)
@@ -216,6 +221,15 @@ def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
     return out
 
 
+def split_kv(case: Case, kind: str) -> torch.Tensor:
+    """The split-KV Triton kernel (backend ``triton``) on this case."""
+    from pagedfuse.ops.backends import triton as split_kv_backend
+
+    out = torch.empty_like(case.q)
+    split_kv_backend.run(case.call(kind), out)
+    return out
+
+
 def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     """name -> (kind for errors, output layout "bhqd" or "thd", zero-argument callable);
     ``plans``: (geo, kind) -> the tile shape a sweep chose (see plan_for)."""
@@ -230,8 +244,15 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
         case.q, case.kc, case.vc, *tail))
     out["pagedfuse op INT8 K+V"] = ("int8_kv", "thd", lambda: OPS.paged_attention_int8(
         case.q, case.k8, case.v8, case.ks, case.vs, *tail))
+    if case.q_len <= SHORT_Q:  # what a direct call without the length hints gets
+        out["pagedfuse op bf16 no hints"] = ("bf16", "thd", lambda: OPS.paged_attention(
+            case.q, case.kc, case.vc, *tail[:5], None, None, None))
+        for kind in ("bf16", "int8_kv"):  # the other candidate for short queries
+            out[f"split-KV Triton {kind}"] = (kind, "thd", lambda kind=kind: split_kv(case,
+                                                                                    kind))
     for name, (kind, pv) in KERNELS.items():
-        plan = plan_for(case.call(kind), pv, plans.get((case.geo, kind)))
+        shape = plans.get((case.geo, kind))
+        plan = plan_for(case.call(kind), pv, shape) if shape or pv != "half" else None
         out[name] = (kind, "thd", lambda kind=kind, plan=plan: prefill(case, kind, plan))
     return out
 
@@ -277,18 +298,27 @@ def references(case: Case) -> dict[str, torch.Tensor]:
 
 def _compile_job(job: tuple) -> str:
     """Compile one prefill specialization into Triton's on-disk cache (a worker process);
-    ``job``: (geo, batch, seq_len, q_len, kind, pv, shape) as plan_for takes them."""
-    geo, batch, seq_len, q_len, kind, pv, shape = job
+    ``job``: (geo, batch, seq_len, q_len, kind, pv, shape, extra): plan_for's plan with the
+    PrefillPlan fields ``extra`` replaced, or with none of them the default launches."""
+    geo, batch, seq_len, q_len, kind, pv, shape, extra = job
     from pagedfuse.ops import triton_prefill as tp
+    from pagedfuse.ops.prefill_plan import default_plans
 
     case = Case(geo, batch, seq_len, q_len, light=True)
     call = case.call(kind)
-    plan = plan_for(call, pv, shape)
+    plans = [dataclasses.replace(plan_for(call, pv, shape), **extra)]
+    if shape is None and pv == "half" and not extra:
+        plans = list(default_plans(call))
     q, q_scale = OPS.quantize_int8(call.query) if call.int8_k else (call.query, None)
-    launch = tp.launch_args(call, torch.empty_like(call.query), plan, q, q_scale)
     t = time.time()
-    tp.prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
-    return f"{kind} {plan} {time.time() - t:.1f}s"
+    for plan in plans:
+        parts = None  # only their dtype and alignment reach the compiler
+        if plan.splits > 1:
+            parts = (torch.empty(16, device=DEVICE), torch.empty(16, device=DEVICE))
+        launch = tp.launch_args(call, torch.empty_like(call.query), plan, q, q_scale,
+                                partials=parts)
+        tp.prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+    return f"{kind} {plans} {time.time() - t:.1f}s"
 
 
 def precompile(jobs: list[tuple], workers: int) -> None:
@@ -378,7 +408,7 @@ def run_sweep(args) -> list[dict]:
         geo = GEOMETRIES[gname]
         for batch, seq_len, q_len in SWEEP_CASES:
             case = Case(geo, batch, seq_len, q_len, light=True)
-            for kind in ("bf16", "int8_k", "int8_kv"):
+            for kind in args.kinds:
                 for shape in sweep_shapes(geo[2]):
                     if time.time() > deadline:
                         break
@@ -396,6 +426,93 @@ def run_sweep(args) -> list[dict]:
     return rows
 
 
+def run_short_sweep(args) -> list[dict]:
+    """Time the short-query launch choices (keys per step, stages, key splits) at
+    SHORT_CASE, with the default packing (the whole GQA group in 64 rows)."""
+    rows = []
+    deadline = time.time() + args.budget
+    for gname in args.geometries:
+        case = Case(GEOMETRIES[gname], *SHORT_CASE, light=True)
+        for kind in KINDS:
+            for extra in short_variants():
+                if time.time() > deadline:
+                    break
+                plan = dataclasses.replace(plan_for(case.call(kind)), **extra)
+                row = {"geometry": gname, "batch": case.batch, "seq_len": case.seq_len,
+                       "q_len": case.q_len, "kind": kind, "plan": plan.__dict__}
+                try:
+                    row["ms"] = bench_ms(lambda c=case, k=kind, p=plan: prefill(c, k, p))
+                    row["kv_gbs"] = case.kv_bytes(kind) / (row["ms"] * 1e-3) / 1e9
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def short_variants() -> list[dict]:
+    return [dict(block_n=n, num_stages=st, splits=sp) for n, st in ((64, 3), (128, 2))
+            for sp in (1, 2)]
+
+
+def mixed_batch(geo: tuple[int, int, int], kind: str) -> dict:
+    """The op on MIXED's batch, and on its decode rows and its chunks alone (each with its
+    own length hints): ms of each; the fused call should cost at most their sum."""
+    hq, hkv, d = geo
+    n_dec, n_chunk, chunk, hist = (MIXED[k] for k in ("decode_rows", "chunks", "chunk",
+                                                         "history"))
+    q_lens = [1] * n_dec + [chunk] * n_chunk
+    seq_lens = [hist + q for q in q_lens]
+    pages = [-(-n // PAGE) for n in seq_lens]
+    width = max(pages)
+    perm = torch.randperm(sum(pages), device=DEVICE).to(torch.int32)
+    table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=DEVICE)
+    at = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    kc, vc = (torch.randn(sum(pages), PAGE, hkv, d, device=DEVICE, dtype=torch.bfloat16)
+              for _ in "kv")
+    q = torch.randn(sum(q_lens), hq, d, device=DEVICE, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE,
+                          dtype=torch.int32)
+    k8, ks = OPS.quantize_int8(kc)
+    v8, vs = OPS.quantize_int8(vc)
+
+    def op(rows: slice, seqs: slice, q_max: int):
+        st = starts[seqs.start:seqs.stop + 1] - starts[seqs.start]
+        args = (table[seqs], lens[seqs], st, 1 / math.sqrt(d), True, None, max(seq_lens),
+                q_max)
+        qq = q[rows]
+        if kind == "bf16":
+            return lambda: OPS.paged_attention(qq, kc, vc, *args)
+        v = v8 if kind == "int8_kv" else vc
+        return lambda: OPS.paged_attention_int8(qq, k8, v, ks, vs if kind == "int8_kv"
+                                                else None, *args)
+
+    n_tok = sum(q_lens)
+    return {"mixed": bench_ms(op(slice(0, n_tok), slice(0, len(q_lens)), chunk)),
+            "decode part": bench_ms(op(slice(0, n_dec), slice(0, n_dec), 1)),
+            "prefill part": bench_ms(op(slice(n_dec, n_tok), slice(n_dec, len(q_lens)),
+                                        chunk))}
+
+
+def run_mixed(args) -> list[dict]:
+    rows = []
+    for gname in args.mixed_geometries:
+        for kind in ("bf16", "int8_kv"):
+            row = {"geometry": gname, "case": "mixed", **MIXED, "kind": kind}
+            try:
+                row.update(mixed_batch(GEOMETRIES[gname], kind))
+                row["vs_sum"] = row["mixed"] / (row["decode part"] + row["prefill part"])
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def sweep_shapes(head_dim: int) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, num_warps, num_stages) candidates: prefill_asm.sweep_plans's."""
     from prefill_asm import sweep_plans
@@ -408,7 +525,7 @@ def best_plans(sweep_rows: list[dict]) -> dict:
     relative to each case's fastest, over the sweep's cases."""
     totals: dict = {}
     for r in sweep_rows:
-        if "ms" not in r:
+        if "ms" not in r or r["q_len"] <= SHORT_Q:  # the short-query sweep's rows
             continue
         p = r["plan"]
         key = (tuple(GEOMETRIES[r["geometry"]]), r["kind"],
@@ -502,6 +619,10 @@ def main() -> None:
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
                     default=list(CASES), help="batch,seq_len,q_len ...")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed batch")
+    ap.add_argument("--mixed-geometries", nargs="+", default=["llama3_8b"])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS),
+                    help="cache kinds the tile-shape sweep times (the short-query one: all)")
     ap.add_argument("--pv-int8", action="store_true", help="also time P·V as an int8 dot")
     ap.add_argument("--budget", type=float, default=400, help="seconds; then skip the rest")
     ap.add_argument("--flex-reserve", type=float, default=120,
@@ -530,17 +651,21 @@ def main() -> None:
         print("tile shapes (block_m, block_n, warps, stages):",
               {f"{g} {k}": p for (g, k), p in plans.items()}, flush=True)
     if args.sweep:
-        jobs = [(GEOMETRIES[g], *c, kind, "half", shape) for g in args.geometries
-                for c in SWEEP_CASES for kind in ("bf16", "int8_k", "int8_kv")
+        jobs = [(GEOMETRIES[g], *c, kind, "half", shape, {}) for g in args.geometries
+                for c in SWEEP_CASES for kind in args.kinds
                 for shape in sweep_shapes(GEOMETRIES[g][2])]
+        jobs += [(GEOMETRIES[g], *SHORT_CASE, kind, "half", None, extra)
+                 for g in args.geometries for kind in KINDS for extra in short_variants()]
         precompile(jobs, args.workers)
-        rows = run_sweep(args)
+        rows = run_sweep(args) + run_short_sweep(args)
     else:
-        jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)))
+        jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)), {})
                 for g in args.geometries for c in args.cases for kind, pv in KERNELS.values()]
         precompile(jobs, args.workers)
         rows = run_cases(args, plans)
         print(table(rows))
+        if not args.no_mixed:
+            env["mixed"] = run_mixed(args)
         try:
             env["compiled_mma"] = compiled_mma()
             print("compiled prefill kernels' MMA:", sorted({m for r in env["compiled_mma"]

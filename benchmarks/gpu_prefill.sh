@@ -4,8 +4,10 @@
 #   benchmarks/gpu_prefill.sh          tests + sweep + benchmark
 #   benchmarks/gpu_prefill.sh bench    tests + benchmark with the default plans
 #   benchmarks/gpu_prefill.sh sweep    tests + sweep
-# Every part is bounded by `timeout`, so the run fits one 10-minute call. Logs and results
-# go to $OUT (default /tmp/pagedfuse-prefill). No build: the Triton paths need none.
+# Every part is bounded by `timeout`, so the run fits one 10-minute call; the budgets and
+# the sweep's cache kinds (SWEEP_KINDS) and the benchmark's extra flags (BENCH_ARGS, e.g.
+# --no-flex) come from the environment. Logs and results go to $OUT (default
+# /tmp/pagedfuse-prefill). No build: the Triton paths need none.
 set -uo pipefail
 MODE=${1:-all}
 OUT=${OUT:-/tmp/pagedfuse-prefill}
@@ -26,17 +28,20 @@ tail -25 "$OUT/pytest_prefill.log"
 plans=()
 if [ "$MODE" != bench ]; then
   echo "== sweep ($SECONDS s)"
+  # shellcheck disable=SC2086
   timeout "${SWEEP_S:-170}" $PY benchmarks/bench_prefill.py --sweep --budget "${SWEEP_BUDGET:-120}" \
-    --json "$OUT/prefill_sweep.json" >"$OUT/sweep.log" 2>&1 || { echo "sweep FAILED"; status=1; }
+    --kinds ${SWEEP_KINDS:-bf16 int8_k int8_kv} --json "$OUT/prefill_sweep.json" \
+    >"$OUT/sweep.log" 2>&1 || { echo "sweep FAILED"; status=1; }
   grep -v '^{"geometry"' "$OUT/sweep.log" | tail -5
   [ -s "$OUT/prefill_sweep.json" ] && plans=(--plans "$OUT/prefill_sweep.json")
 fi
 if [ "$MODE" != sweep ]; then
   echo "== benchmark ($SECONDS s)"
-  timeout "${BENCH_S:-330}" $PY benchmarks/bench_prefill.py "${plans[@]}" \
+  # shellcheck disable=SC2086
+  timeout "${BENCH_S:-330}" $PY benchmarks/bench_prefill.py "${plans[@]}" ${BENCH_ARGS:-} \
     --budget "${BENCH_BUDGET:-270}" --json "$OUT/prefill.json" --plot "$OUT/prefill.png" \
     >"$OUT/bench.log" 2>&1 || { echo "benchmark FAILED"; status=1; }
-  grep -v "^qwen35\|^llama3_8b\|^tinyllama" "$OUT/bench.log" | tail -48
+  grep -v "^qwen35\|^llama3_8b\|^tinyllama" "$OUT/bench.log" | tail -60
 fi
 echo "gpu_prefill status $status ($SECONDS s)"
 exit $status

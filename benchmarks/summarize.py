@@ -131,12 +131,19 @@ def prefill(record: dict) -> tuple[str, str]:
                  f"{methods[best]['ms'] / mine['ms']:.2f}x" if best and mine else "n/a"]
         for kind in ("prefill INT8 K", "prefill INT8 K+V"):
             r = methods.get(kind)
-            cells.append(_ms(r["ms"]) if r else "n/a")
+            ratio = f" ({mine['ms'] / r['ms']:.2f}x)" if r and mine else ""
+            cells.append(_ms(r["ms"]) + ratio if r else "n/a")
         rows.append(cells)
     head = ["geometry", "B, L, q", "fastest peer, ms", "prefill bf16, ms (TFLOP/s)",
-            "speed-up over the peer", "INT8 K, ms", "INT8 K+V, ms"]
+            "speed-up over the peer", "INT8 K, ms (speed x bf16)", "INT8 K+V, ms (x bf16)"]
     note = ("ms per call (do_bench medians); TFLOP/s counts causal pairs; peers: SDPA "
             "cuDNN/flash/efficient on contiguous K/V, FlexAttention, eager gather + SDPA.")
+    mixed = [f"{m['geometry']} {m['kind']}: {_ms(m['mixed'])} against {_ms(m['decode part'])} "
+             f"+ {_ms(m['prefill part'])} for its parts ({m['vs_sum']:.2f}x)"
+             for m in env.get("mixed", []) if "vs_sum" in m]
+    if mixed:
+        note += (" Mixed batch (decode rows and prompt chunks in one call), ms: "
+                 + "; ".join(mixed) + ".")
     return ran_on, note + "\n\n" + table(head, rows)
 
 

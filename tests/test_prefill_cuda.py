@@ -171,8 +171,11 @@ def test_which_calls_the_prefill_kernel_takes():
 def test_plan_checks_name_the_plan():
     call = make_case(seq_lens=[20], q_lens=[5], num_q_heads=24, num_kv_heads=4,
                      head_dim=128).call()
-    with pytest.raises(ValueError, match="plan: pack 4 must be a power of two dividing"):
+    with pytest.raises(ValueError, match="plan: pack 4 must divide the GQA group 6"):
         pp.check_plan(call, pp.PrefillPlan(pack=4))
+    pp.check_plan(call, pp.PrefillPlan(block_m=64, pack=6))  # 10 tokens, 4 spare rows
+    with pytest.raises(ValueError, match="plan: splits 2 must be >= 1, and 1 beside"):
+        pp.check_plan(call, pp.PrefillPlan(splits=2), min_query_len=2)
     with pytest.raises(ValueError, match="plan: block_n 48"):
         pp.check_plan(call, pp.PrefillPlan(block_n=48))
     with pytest.raises(ValueError, match="plan: pv 'fp4'"):
@@ -182,11 +185,66 @@ def test_plan_checks_name_the_plan():
 @pytest.mark.parametrize(("kind", "group", "q_bound", "pack", "block_m", "warps"), [
     ("float", 4, 8192, 1, 128, 8),  # long prompts: one head, 128 tokens per tile
     ("float", 4, 64, 2, 128, 8),  # a 64-token chunk shares its rows with a second head
-    ("float", 6, 64, 2, 128, 8),  # GQA 6: packs of 2 (a power of two dividing the group)
-    ("float", 8, 4, 8, 64, 4),  # short queries: the whole group, rows padded to 64
+    ("float", 6, 64, 2, 128, 8),  # GQA 6: packs of 2 (the largest divisor that fits)
+    ("float", 6, 17, 6, 128, 8),  # ... 6 heads x 17 tokens in 128 rows
+    ("float", 6, 4, 6, 64, 4),  # short queries: the whole group (any size), 64 rows
+    ("float", 8, 4, 8, 64, 4),
     ("float", 1, 4, 1, 64, 4),
     ("int8_kv", 4, 8192, 1, 64, 4),  # INT8 K+V, head_dim 128: 64-row tiles, 2 CTAs per SM
 ])
 def test_default_plan_packs_heads_to_fill_a_tile(kind, group, q_bound, pack, block_m, warps):
     plan = pp._default_plan(128, group, q_bound, kind)
     assert (plan.pack, plan.block_m, plan.num_warps) == (pack, block_m, warps)
+
+
+@pytest.mark.parametrize(("batch", "q_bound", "context", "launches", "splits"), [
+    (64, 4, 8192, [(0, 0)], 1),  # q_len 4 at B=64: one packed launch fills the GPU
+    (2, 4, 8192, [(0, 0)], 8),  # two sequences: keys split 8 ways
+    (64, 64, 8192, [(0, 16), (17, 0)], 1),  # no length hint: short sequences apart
+    (2, 64, 8192, [(0, 16), (17, 0)], 1),  # ... and unsplit: a merge would touch every row
+    (1, 512, 8192, [(0, 0)], 1),  # one sequence: its query length is the bound
+])
+def test_default_launches(batch, q_bound, context, launches, splits):
+    plans = pp._default_plans(128, 4, q_bound, "float", batch, 32, context, 132, True)
+    assert [(p.min_q, p.max_q) for p in plans] == launches
+    assert plans[0].splits == splits
+    no_split = pp._default_plans(128, 4, q_bound, "float", batch, 32, context, 132, False)
+    assert all(p.splits == 1 for p in no_split)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("geo", [(32, 8, 128), (24, 4, 256)])
+def test_varlen_without_hints_takes_two_launches(kind, geo):
+    """q_len 1, 4, 17 and 128 in one batch with no length hints: the short sequences go to
+    the packed launch (GQA 6 packs all 6 heads), the rest to the tiled one."""
+    hq, hkv, d = geo
+    case = _varlen([1, 4, 17, 128, 1], [1000, 8192, 0, 1, 3], num_q_heads=hq, num_kv_heads=hkv,
+                   head_dim=d, kind=kind)
+    assert len(pp.default_plans(case.call())) == 2
+    assert rel_err(run_prefill(case, hinted=False), case.reference()) < 2e-2
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["float", "int8_kv"])
+def test_key_splits_merge_to_the_reference(kind):
+    """Short queries over long histories with the keys split (the default for a small
+    batch) and with a split count that does not divide the key tiles."""
+    case = _varlen([4, 2, 1], [5000, 0, 8192], num_q_heads=24, num_kv_heads=4, head_dim=128,
+                   kind=kind)
+    call = case.call(case.longest, case.longest_query)
+    assert pp.default_plans(call)[0].splits > 1
+    assert rel_err(run_prefill(case), case.reference()) < 2e-2
+    plan = dataclasses.replace(pp.default_plan(call), splits=3)
+    assert rel_err(run_prefill(case, plan), case.reference()) < 2e-2
+
+
+@pytest.mark.parametrize(("kind", "group", "q_bound", "block_n", "stages"), [
+    ("float", 8, 4, 64, 3),  # 32 packed rows: the short-query tiles
+    ("float", 4, 64, 128, 2),  # 128 packed rows: the long-query tiles
+    ("int8_kv", 4, 4, 128, 2),  # short
+    ("int8_kv", 4, 8192, 64, 2),  # long, though its tiles hold 64 rows like the short ones
+])
+def test_short_queries_take_their_own_tiles(kind, group, q_bound, block_n, stages):
+    plan = pp._default_plan(128, group, q_bound, kind)
+    assert (plan.block_n, plan.num_stages) == (block_n, stages)

@@ -7,6 +7,7 @@ machine with no GPU and no Triton.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -25,8 +26,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 @dataclass(frozen=True)
 class PrefillPlan:
     """Launch choices for one call: rows per tile (``block_m``), query heads packed into a
-    tile's rows (``pack``, a power of two dividing the GQA group), keys per step
-    (``block_n``), warps, software-pipeline depth and the INT8 P·V mode (PV_MODES)."""
+    tile's rows (``pack``, a divisor of the GQA group), keys per step (``block_n``), warps,
+    software-pipeline depth, the INT8 P·V mode (PV_MODES), key ``splits`` (more than 1:
+    partial rows merged by a second kernel) and the query lengths the launch serves
+    (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -34,6 +37,9 @@ class PrefillPlan:
     num_warps: int = 8
     num_stages: int = 2
     pv: str = "half"
+    splits: int = 1
+    min_q: int = 0
+    max_q: int = 0
 
     @property
     def tokens(self) -> int:
@@ -41,40 +47,95 @@ class PrefillPlan:
         return self.block_m // self.pack
 
 
-def _largest_pow2_divisor(n: int) -> int:
-    return n & -n
-
-
 # (head_dim, cache kind) -> (block_m, block_n, num_warps, num_stages) for q_len >= 128: the
-# fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweep
-# (benchmarks/results/prefill_sweep_h200_2026-12-01.json). INT8 K+V at head_dim 128 takes 64-row
-# tiles: two CTAs per SM, 20-25% faster there than 128 rows, which spill.
+# fastest mean over full 8K prefill and 2K chunks of 16K in the H200 sweeps
+# (benchmarks/results/prefill_sweep_h200_2026-12-01.json; INT8 rows re-swept after the INT8
+# changes in prefill_sweep_h200_2026-12-01_int8.json). INT8 K+V at head_dim 128 takes 64-row
+# tiles: two CTAs per SM, 20-25% faster there than 128 rows (which spilled then).
 TILES = {
     (64, "float"): (128, 64, 8, 3), (64, "int8_k"): (128, 128, 4, 3),
     (64, "int8_kv"): (128, 128, 4, 3),
-    (128, "float"): (128, 128, 8, 2), (128, "int8_k"): (128, 128, 8, 2),
+    (128, "float"): (128, 128, 8, 2), (128, "int8_k"): (128, 128, 8, 3),
     (128, "int8_kv"): (64, 64, 4, 2),
-    (256, "float"): (128, 64, 8, 2), (256, "int8_k"): (128, 64, 8, 2),
+    (256, "float"): (128, 64, 8, 2), (256, "int8_k"): (128, 64, 8, 3),
     (256, "int8_kv"): (128, 64, 8, 2),
 }
+# (head_dim, cache kind) -> (block_n, num_stages) of the packed tiles of short queries
+# (pack x query tokens <= SHORT_ROWS), 4 warps: the fastest at B=64, L=8192, q_len 4 in the
+# short-query sweep of prefill_sweep_h200_2026-12-01_int8.json (memory-bound: the widest
+# copy in flight wins, except bf16 at head_dim 128 and 256 and INT8 at 256, where 128-key
+# tiles need too much shared memory or ran slower).
+SHORT_TILES = {
+    (64, "float"): (128, 2), (64, "int8_k"): (128, 2), (64, "int8_kv"): (128, 2),
+    (128, "float"): (64, 3), (128, "int8_k"): (128, 2), (128, "int8_kv"): (128, 2),
+    (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3),
+}
+
+
+SHORT_ROWS = 64  # rows of a tile for short queries: one warpgroup's wgmma M
+# key splits for queries of at most SHORT_ROWS tokens: enough programs for this many per SM,
+# each split at least MIN_SPLIT_TILES key tiles long
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_SPLIT_TILES = 8
+MAX_SPLITS = 8
 
 
 @functools.lru_cache(maxsize=256)
 def _default_plan(head_dim: int, group: int, query_bound: int, kind: str) -> PrefillPlan:
     """TILES for long queries. Shorter ones pack heads of the GQA group into the rows
-    (token-major) until a tile holds the longest query, down to 64 rows and 4 warps (one
-    warpgroup's wgmma M)."""
+    (token-major, any divisor of the group: a 6-head group packs whole) until a tile holds
+    the longest query, down to SHORT_ROWS rows and 4 warps."""
     block_m, block_n, warps, stages = TILES[(head_dim, kind)]
-    tokens = next_power_of_2(max(query_bound, 1))
-    pack = min(_largest_pow2_divisor(group), max(1, block_m // tokens))
-    rows = max(64, min(block_m, tokens * pack))
+    q = min(max(query_bound, 1), block_m)
+    pack = max(d for d in range(1, group + 1) if group % d == 0 and d * q <= block_m)
+    rows = max(SHORT_ROWS, min(block_m, next_power_of_2(pack * q)))
+    if pack * max(query_bound, 1) <= SHORT_ROWS:
+        block_n, stages = SHORT_TILES[(head_dim, kind)]
     return PrefillPlan(rows, pack, block_n, warps if rows == block_m else 4, stages)
 
 
 def default_plan(call: PagedCall) -> PrefillPlan:
-    """The plan ``prefill_into`` takes when given none (sizes from shapes and hints)."""
+    """The main launch's plan (sizes from shapes and hints): benchmarks pin theirs on it."""
     g = call.geometry
     return _default_plan(g.head_dim, g.group, call.query_bound, call.kind)
+
+
+@functools.lru_cache(maxsize=256)
+def _default_plans(head_dim: int, group: int, query_bound: int, kind: str, batch: int,
+                   num_q_heads: int, context: int, sms: int,
+                   may_split: bool) -> tuple[PrefillPlan, ...]:
+    main = _default_plan(head_dim, group, query_bound, kind)
+    short = _default_plan(head_dim, group, 1, kind)
+    plans = (main,)
+    if batch > 1 and main.tokens > short.tokens:
+        # sequences short enough for the packed tile (decode rows, draft tokens) get it in
+        # a launch of their own: in main's tiles each would fill a few of 128 rows
+        short = dataclasses.replace(short, max_q=short.tokens)
+        plans = (short, dataclasses.replace(main, min_q=short.tokens + 1))
+    first = plans[0]
+    queries = min(query_bound, first.max_q) if first.max_q else query_bound
+    # long queries fill the GPU with query tiles; beside a launch for long ones, the merge
+    # would read and write partial rows for every token of the batch (measured on the
+    # H200 at 8 x 2048 tokens: 0.49 ms, half the attention's own time)
+    if not may_split or queries > SHORT_ROWS or len(plans) > 1:
+        return plans
+    programs = num_q_heads // first.pack * -(-queries // first.tokens) * batch
+    splits = 1
+    while (splits < MAX_SPLITS and programs * splits * 2 <= SPLIT_PROGRAMS_PER_SM * sms
+           and context >= splits * 2 * MIN_SPLIT_TILES * first.block_n):
+        splits *= 2
+    return (dataclasses.replace(first, splits=splits), *plans[1:])
+
+
+def default_plans(call: PagedCall, min_query_len: int = 0) -> tuple[PrefillPlan, ...]:
+    """The launches ``prefill_into`` makes when given no plan, in order: where sequences of
+    a few query tokens may share the batch with long ones, a packed launch for the short
+    ones first, with key splits where the grid would leave SMs idle (never beside another
+    kernel's rows: ``min_query_len`` > 0)."""
+    g = call.geometry
+    return _default_plans(g.head_dim, g.group, call.query_bound, call.kind, g.batch,
+                          g.num_q_heads, call.context_bound, _sm_count(call.device),
+                          min_query_len == 0)
 
 
 @functools.cache
@@ -85,6 +146,13 @@ def _triton_installed() -> bool:
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the Triton interpreter on CPU tensors
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prefill_unsupported(call: PagedCall) -> str | None:
@@ -108,15 +176,17 @@ def prefill_unsupported(call: PagedCall) -> str | None:
     return None
 
 
-def check_plan(call: PagedCall, plan: PrefillPlan) -> None:
+def check_plan(call: PagedCall, plan: PrefillPlan, min_query_len: int = 0) -> None:
     """A plan's shape rules, with the argument named."""
     g = call.geometry
-    if plan.pack < 1 or plan.pack & (plan.pack - 1) or g.group % plan.pack:
-        raise ValueError(f"plan: pack {plan.pack} must be a power of two dividing the GQA "
-                         f"group {g.group}")
-    if plan.block_m % plan.pack or plan.block_m < 16 or plan.block_m & (plan.block_m - 1):
-        raise ValueError(f"plan: block_m {plan.block_m} must be a power of two >= 16 and a "
-                         f"multiple of pack {plan.pack}")
+    if plan.pack < 1 or g.group % plan.pack:
+        raise ValueError(f"plan: pack {plan.pack} must divide the GQA group {g.group}")
+    if plan.block_m < max(16, plan.pack) or plan.block_m & (plan.block_m - 1):
+        raise ValueError(f"plan: block_m {plan.block_m} must be a power of two >= 16 and >= "
+                         f"pack {plan.pack}")
+    if plan.splits < 1 or (plan.splits > 1 and min_query_len > 0):
+        raise ValueError(f"plan: splits {plan.splits} must be >= 1, and 1 beside another "
+                         f"kernel's rows (min_query_len {min_query_len})")
     if plan.block_n < 16 or plan.block_n & (plan.block_n - 1):
         raise ValueError(f"plan: block_n {plan.block_n} must be a power of two >= 16")
     if plan.pv not in PV_MODES:

@@ -2,12 +2,16 @@
 
 The decode kernel (triton_paged.py) gives one program a whole sequence and walks its query
 tiles in turn, so an 8K prompt runs on a handful of programs. Here the grid is
-(head pack, query tile, sequence): every tile of every sequence is its own program, so a
-single long prompt fills the GPU. A tile holds ``block_m`` rows, token-major: ``pack``
-query heads of one GQA group (a power of two dividing the group) times ``block_m / pack``
-consecutive query tokens, so one K/V tile read through the block table serves every packed
-head. Short queries pack more heads to fill the rows; long ones take one head and 128
-tokens.
+(head pack, query tile x key split, sequence): every tile of every sequence is its own
+program, so a single long prompt fills the GPU. A tile holds ``block_m`` rows, token-major:
+``pack`` query heads of one GQA group (any divisor of the group; rows past a multiple of it
+idle) times ``block_m // pack`` consecutive query tokens, so one K/V tile read through the
+block table serves every packed head. Short queries pack more heads to fill the rows; long
+ones take one head and 128 tokens. A launch serves the sequences whose query length lies in
+its plan's range, so a batch that may mix short and long ones (no length hint, or decode
+rows beside prompt chunks) runs as two launches, each with its own tiles; a launch of short
+queries on a small grid splits the keys and merges the splits with the split-KV kernels'
+combine.
 
 Per tile, keys run in two stages: the keys every row of the tile sees (no masks, no bounds
 checks) and then the diagonal and ragged tail, masked. Causal masking is bottom-right
@@ -27,13 +31,17 @@ bool mask drops a masked key's score instead of adding -inf to it (a NaN score i
 does not reach the row), and the tensor-core P·V on the causal diagonal multiplies a NaN
 or Inf in V into rows that do not read that key (with weight 0). A version that followed
 the reference there cost accuracy at head_dim 256 on the H200 (bf16 error 1.2e-2 against
-SDPA's 2.1e-3, 2026-12-01) and was not kept.
+SDPA's 2.1e-3, 2026-12-01) and was not kept. A third: an INT8 K scale above about 2.7e31
+(keys above 3.4e33) overflows the per-key constant of the score conversion below and makes
+the score NaN where the reference's may still be finite.
 
 INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
 with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
-the softmax. P·V (``PrefillPlan.pv``): "half" converts int8 V to the activation dtype in
-registers (exact: |v| <= 127) and folds the per-token V scales into P, so P·V is a 16-bit
-dot; "int8" quantizes P per row and runs an int8 dot, as the decode kernel does.
+the softmax: the int32 score becomes a float by its bits and one FFMA with the key's scale,
+then the row's scale joins the softmax's FMA. P·V (``PrefillPlan.pv``): "half" converts
+int8 V to the activation dtype in registers (exact: |v| <= 127) and folds the per-token V
+scales into P, so P·V is a 16-bit dot; "int8" quantizes P per row and runs an int8 dot, as
+the decode kernel does.
 """
 
 from __future__ import annotations
@@ -46,9 +54,39 @@ import triton.language as tl
 
 from pagedfuse.ops import cuda
 from pagedfuse.ops.call import PagedCall
-from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plan, prefill_unsupported
+from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plans, prefill_unsupported
 from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds
 from pagedfuse.ops.triton_quantize import quantize_int8
+
+MAGIC: tl.constexpr = tl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
+MAGIC_F: tl.constexpr = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE: tl.constexpr,
+            MASKED: tl.constexpr):
+    """The cache blocks of keys ``offs_n`` (n_ok: in the sequence; read only if MASKED)."""
+    if MASKED:
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
+    return cache_blocks(blk, num_blocks)
+
+
+@triton.jit
+def _key_scales(s_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks, stride_sb,
+                stride_st, stride_sh, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Per-key scales of keys ``offs_n`` (0 past the sequence if MASKED). Loaded as a
+    [keys, 2] tile and summed: the compiler cannot move a reduction into the score tile's
+    layout, so the loads stay few per thread instead of one per column a thread holds (32
+    loads, each with its 64-bit address arithmetic, at 128 keys)."""
+    blk = _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE, MASKED)
+    ptrs = s_ptr + blk * stride_sb + (offs_n % PAGE) * stride_st + kvh * stride_sh
+    first = (tl.arange(0, 2) == 0)[None, :]  # the second column is a 0 the sum adds
+    if MASKED:  # a slot past the sequence may hold any bits, NaN too: P is 0 there
+        first = first & n_ok[:, None]
+    return tl.sum(tl.load(ptrs[:, None] + tl.zeros([1, 2], tl.int32), mask=first, other=0.0),
+                  axis=1)
 
 
 @triton.jit
@@ -66,13 +104,9 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     is in bounds and visible to every row."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        n_ok = offs_n < seq_len
-        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=n_ok, other=0)
-    else:
-        blk = tl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn)
-    blk = cache_blocks(blk, num_blocks)
+    n_ok = offs_n < seq_len
     slot = offs_n % PAGE
+    blk = _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE, MASKED)
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
     v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
     if MASKED:
@@ -80,9 +114,15 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     else:
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
     if INT8_K:
-        k_scale = tl.load(ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh)
-        k_scale = tl.fma(k_scale, 0.0, k_scale)  # an Inf scale counts as NaN, as dequantized
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
+        k_scale = _key_scales(ks_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks,
+                              stride_ksb, stride_kst, stride_ksh, PAGE, MASKED)
+        # int32 -> fp32 by its bits: MAGIC + x is the float 1.5 * 2**23 + x exactly for
+        # |x| < 2**22 (|q.k| <= 127 * 128 * 256 here), and (that - 1.5 * 2**23) * k_scale is
+        # one FFMA with a per-key constant. An Inf scale gives Inf - Inf = NaN, as the
+        # dequantized key's 0 * Inf does.
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32) + MAGIC
+        s = tl.fma(s.to(tl.float32, bitcast=True), k_scale[None, :],
+                   (k_scale * -MAGIC_F)[None, :])
     else:
         s = tl.dot(q, tl.trans(k))
     # log2-domain logits are s * row_scale (row_scale >= 0: the softmax scale is positive)
@@ -116,11 +156,8 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     else:
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
     if V_INT8:
-        vs_ptrs = vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh
-        if MASKED:  # a slot past the sequence may hold any bits, NaN too: P is 0 there
-            v_scale = tl.load(vs_ptrs, mask=n_ok, other=0.0)
-        else:
-            v_scale = tl.load(vs_ptrs)
+        v_scale = _key_scales(vs_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks,
+                              stride_vsb, stride_vst, stride_vsh, PAGE, MASKED)
         pv = p * v_scale[None, :]
         if PV_INT8:
             p_max = tl.max(tl.abs(pv), axis=1)
@@ -139,34 +176,41 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
 @triton.jit
 def prefill_kernel(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
-    out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
-    stride_qt, stride_qh, stride_qst, stride_qsh,
+    out_ptr, part_o_ptr, part_lse_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks,
+    max_blocks, split_keys, stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
     GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, INT8_K: tl.constexpr, V_INT8: tl.constexpr,
     PV_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BIAS_BOOL: tl.constexpr, MIN_Q: tl.constexpr,
+    BIAS_BOOL: tl.constexpr, MIN_Q: tl.constexpr, MAX_Q: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """Grid (num_q_heads / PACK, query tiles, batch). Sequences with fewer than MIN_Q query
-    tokens are left to another kernel (a decode launched beside this one)."""
-    TOKENS: tl.constexpr = BLOCK_M // PACK
+    """Grid (num_q_heads / PACK, query tiles * SPLITS, batch). Only sequences with MIN_Q to
+    MAX_Q query tokens (0: no upper bound) are served; another launch takes the rest. With
+    SPLITS > 1, split s reads keys [s * split_keys, (s + 1) * split_keys) and writes its
+    normalized rows and log2-sum-exps to part_o / part_lse, for combine_splits_kernel."""
+    TOKENS: tl.constexpr = BLOCK_M // PACK  # PACK need not divide BLOCK_M: spare rows idle
     pid_h = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # causal: the longest tiles start first
+    # causal: the longest tiles start first
+    tile = tl.num_programs(1) // SPLITS - 1 - tl.program_id(1) // SPLITS
+    split = tl.program_id(1) % SPLITS
     b = tl.program_id(2)
     seq_len, q_start, q_len = sequence_bounds(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks,
                                               PAGE)
     t0 = tile * TOKENS
     if (t0 >= q_len) | (q_len < MIN_Q):
         return
+    if MAX_Q > 0:
+        if q_len > MAX_Q:
+            return
 
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     t = t0 + rows // PACK  # query token within the sequence
     head = pid_h * PACK + rows % PACK
     kvh = (pid_h * PACK) // GROUP
-    row_ok = t < q_len
+    row_ok = (t < q_len) & (rows < TOKENS * PACK)
     tok = (q_start + t).to(tl.int64)
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
                 mask=row_ok[:, None], other=0)
@@ -185,12 +229,17 @@ def prefill_kernel(
     if HAS_BIAS:
         full = 0
     full = tl.maximum(tl.minimum(full, hi), 0) // BLOCK_N * BLOCK_N
+    lo = 0
+    if SPLITS > 1:  # split_keys is a multiple of BLOCK_N, so full stays tile-aligned
+        lo = split * split_keys
+        hi = tl.minimum(hi, lo + split_keys)
+        full = tl.minimum(full, hi)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, full, BLOCK_N):
+    for start in range(lo, full, BLOCK_N):
         acc, m_i, l_i = _step(
             acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
@@ -199,7 +248,7 @@ def prefill_kernel(
             stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
             BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
             MASKED=False)
-    for start in range(full, hi, BLOCK_N):
+    for start in range(tl.maximum(full, lo), hi, BLOCK_N):
         acc, m_i, l_i = _step(
             acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
@@ -209,9 +258,16 @@ def prefill_kernel(
             BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
             MASKED=True)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw no key writes zeros
-    out_off = (tok * num_q_heads + head) * HEAD_DIM
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    out_row = tok * num_q_heads + head
+    if SPLITS > 1:
+        part = split.to(tl.int64) * num_tokens * num_q_heads + out_row
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, tl.where(l_i != l_i, l_i, lse), mask=row_ok)
+    else:
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 class Launch(NamedTuple):
@@ -224,20 +280,27 @@ class Launch(NamedTuple):
 
 
 def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.Tensor,
-                q_scale: torch.Tensor | None, min_query_len: int = 0) -> Launch:
+                q_scale: torch.Tensor | None, min_query_len: int = 0,
+                partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """The launch of ``call`` under ``plan``; ``q``: the query, int8 for INT8 K, with its
-    per-(token, head) scales ``q_scale`` (None otherwise)."""
+    per-(token, head) scales ``q_scale`` (None otherwise); ``partials``: (rows, log-sum-exps)
+    buffers of plan.splits > 1."""
     g = call.geometry
     q_scale = q if q_scale is None else q_scale  # never read without INT8_K
     ks = call.key_scale if call.int8_k else q_scale  # never read without INT8_K
     vs = call.value_scale if call.value_scale is not None else ks
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
     kc, vc = call.key_cache, call.value_cache
-    grid = (g.num_q_heads // plan.pack, triton.cdiv(call.query_bound, plan.tokens), g.batch)
+    part_o, part_lse = partials or (out, out)  # never written with one split
+    queries = min(call.query_bound, plan.max_q) if plan.max_q else call.query_bound
+    tiles = triton.cdiv(queries, plan.tokens)
+    split_keys = triton.cdiv(triton.cdiv(call.context_bound, plan.splits), plan.block_n) * \
+        plan.block_n
+    grid = (g.num_q_heads // plan.pack, tiles * plan.splits, g.batch)
     args = (
         q, q_scale, kc, vc, ks, vs, call.block_table, call.seq_lens, call.query_start_loc,
-        bias, out, call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks,
-        g.max_blocks, q.stride(0), q.stride(1),
+        bias, out, part_o, part_lse, call.scale * LOG2E, g.num_tokens, g.num_q_heads,
+        g.num_blocks, g.max_blocks, split_keys, q.stride(0), q.stride(1),
         *(q_scale.stride() if call.int8_k else (0, 0)),
         *kc.stride()[:3], *vc.stride()[:3],
         *(ks.stride() if call.int8_k else (0, 0, 0)),
@@ -248,23 +311,24 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, INT8_K=call.int8_k, V_INT8=call.int8_v,
         PV_INT8=plan.pv == "int8", CAUSAL=call.causal, HAS_BIAS=call.attn_bias is not None,
-        BIAS_BOOL=bias_bool, MIN_Q=min_query_len,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        BIAS_BOOL=bias_bool, MIN_Q=max(min_query_len, plan.min_q), MAX_Q=plan.max_q,
+        SPLITS=plan.splits, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return Launch(grid, args, options)
 
 
 def prefill_into(call: PagedCall, out: torch.Tensor, plan: PrefillPlan | None = None,
                  min_query_len: int = 0) -> None:
-    """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call``; ``plan`` overrides
-    the heuristic (default_plan). ``min_query_len``: sequences with fewer query tokens are
-    skipped (their rows of ``out`` left as they are), for a batch whose decode rows another
-    kernel serves."""
+    """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call``; ``plan`` (one
+    launch) overrides the heuristic (default_plans). ``min_query_len``: sequences with fewer
+    query tokens are skipped (their rows of ``out`` left as they are), for a batch whose
+    decode rows another kernel serves."""
     reason = prefill_unsupported(call)
     if reason:
         raise ValueError(f"the prefill kernel cannot run this call: {reason}")
-    plan = plan or default_plan(call)
-    check_plan(call, plan)
+    plans = (plan,) if plan else default_plans(call, min_query_len)
+    for p in plans:
+        check_plan(call, p, min_query_len)
     g = call.geometry
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
         raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
@@ -272,5 +336,11 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: PrefillPlan | None = 
     if g.num_tokens == 0 or g.batch == 0:
         return
     q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
-    launch = launch_args(call, out, plan, q, q_scale, min_query_len)
-    prefill_kernel[launch.grid](*launch.args, **launch.options)
+    for p in plans:  # in order: a split launch's merge writes every row, later launches theirs
+        partials = None
+        if p.splits > 1:
+            partials = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
+        launch = launch_args(call, out, p, q, q_scale, min_query_len, partials)
+        prefill_kernel[launch.grid](*launch.args, **launch.options)
+        if partials:
+            cuda.combine(call, out, *partials, p.splits, pdl=False)

@@ -2,7 +2,9 @@
 query token per sequence, bf16/fp16 queries, every cache format. A grid over (head pack,
 query tile, sequence) spreads a prompt's tiles over the whole GPU, which the split-KV
 ``triton`` kernel (one program per sequence and KV head) cannot; it outranks that kernel
-wherever it applies."""
+wherever it applies, short queries included (H200, q_len 4 at B=64 and 8K keys, llama3
+geometry, bf16: 0.61 ms against the split-KV kernel's 6.6 ms), and so takes every call the
+CUDA C++ decode cannot prove to be one query token per sequence."""
 
 from __future__ import annotations
 
