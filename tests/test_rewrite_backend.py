@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.capture import Capture
+from helpers.capture import Capture, count_calls
 from helpers.programs import (
     INT8_TOL,
     PAGED,
@@ -297,3 +297,28 @@ def test_replacement_of_the_wrong_shape_is_rolled_back():
     failed = runs["bad"][1].sites[0].first_failure
     assert failed.name == "replace" and "the replacement gives (3, 1, 8, 64)" in failed.reason
     assert runs["bad"][0] == runs["none"][0]
+
+
+def test_cache_sizes_only_the_op_relates_are_unified_by_a_guard():
+    """Under automatic dynamic shapes the K cache, the V cache and their scales get a size
+    symbol each (the program never relates them). The op needs their block counts equal:
+    where they are equal in the trace a guard keeps them so, and the site is rewritten; a
+    later call where they differ recompiles, keeps the site as written, and equals eager."""
+    spec = Spec(dequant="to_mul")
+    fn = attention(spec)
+    capture = Capture()
+    compiled = torch.compile(fn, backend=pagedfuse.backend(inner=capture))
+    for num_blocks in (16, 24):  # the second call compiles a graph with dynamic sizes
+        case = make_case(spec, num_blocks=num_blocks, seed=num_blocks)
+        got = compiled(*case.args())
+        assert rel_err(got, fn(*case.args())) < INT8_TOL
+    assert len(capture.graphs) == 2
+    assert [count_calls(gm, *PAGED) for gm in capture.graphs] == [1, 1]
+
+    uneven = make_case(spec, num_blocks=20, seed=3)
+    more = make_case(spec, num_blocks=28, seed=4)
+    uneven.vc, uneven.vs = more.vc, more.vs  # the table's ids index both
+    got = compiled(*uneven.args())
+    assert rel_err(got, fn(*uneven.args())) < INT8_TOL
+    assert len(capture.graphs) == 3 and count_calls(capture.graphs[-1], *PAGED) == 0
+    assert "value cache" in pagedfuse.last_report().table()

@@ -6,7 +6,8 @@ Atoms of size 1 are left out, so an ``unsqueeze`` or a ``[:, None]`` is a no-op 
 view/reshape/flatten/unflatten/squeeze/unsqueeze regroup atoms in row-major order (read off
 the output's fake shape, so ``-1`` needs no arithmetic); transpose/permute reorder dims;
 expand of a size-1 dim and repeat_interleave add a repetition atom. Sizes are compared with
-``statically_known_true``: a check never adds a guard or specialises a dynamic dim.
+``statically_known_true``: a check never adds a guard or specialises a dynamic dim (the one
+exception, ``unify_sizes``, guards two dynamic sizes equal, for the kernels' own needs).
 
 Each layout op is one ``@layout_rule`` entry below: its spellings and how it maps a layout.
 """
@@ -19,7 +20,11 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+from torch.fx.experimental.symbolic_shapes import (
+    guard_or_false,
+    is_concrete_int,
+    statically_known_true,
+)
 
 from pagedfuse.graph.ops import OpForm, arg, fake, op_of, register_op
 
@@ -32,6 +37,21 @@ def is_one(size: object) -> bool:
 
 def same_size(a: object, b: object) -> bool:
     return statically_known_true(a == b)
+
+
+def unify_sizes(a: object, b: object) -> bool:
+    """Whether ``a == b``, for two sizes a kernel needs equal although the program never
+    relates them (the K and V caches' block counts, a scale's): known equal, or two dynamic
+    sizes that are equal in this trace, which a guard then keeps equal (under automatic
+    dynamic shapes each input dim gets its own symbol). A call where they differ recompiles
+    and is checked afresh. Never specialises a size to a constant and adds no guard when the
+    sizes differ."""
+    if statically_known_true(a == b):
+        return True
+    if not (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)
+            and a.node.has_hint() and b.node.has_hint() and a.node.hint == b.node.hint):
+        return False
+    return guard_or_false(a == b)
 
 
 def static_int(size: object) -> int | None:

@@ -1,7 +1,9 @@
 """The built-in pattern's preconditions: each returns None (pass) or a reason in words.
 
 All of them read fake-tensor metadata and compare sizes with ``statically_known_true``, so
-none adds a guard; facts only known at run time (block ids, lengths) are the op's job.
+none adds a guard, except where the op needs two sizes equal that the program never relates
+(the caches' and scales' block counts): two dynamic sizes equal in the trace are guarded
+equal (``unify_sizes``). Facts only known at run time (block ids, lengths) are the op's job.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import torch
 import torch.fx as fx
 
-from pagedfuse.graph.layout import is_one, same_size, static_int
+from pagedfuse.graph.layout import is_one, same_size, static_int, unify_sizes
 from pagedfuse.graph.ops import describe, fake
 from pagedfuse.graph.region import escapes, stale_reads
 from pagedfuse.ops.backends import SupportReport, get_backend, head_dim_reason, support_report
@@ -182,7 +184,9 @@ def _op_view_shape(source: fx.Node, view: SourceView) -> tuple:
 
 
 def _differs(a: tuple, b: tuple) -> bool:
-    return len(a) != len(b) or not all(same_size(x, y) for x, y in zip(a, b, strict=True))
+    """Whether two cache geometries differ; equal dynamic sizes are guarded equal (the
+    program never relates the caches' sizes, only the op does)."""
+    return len(a) != len(b) or not all(unify_sizes(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _value_cache(match: Match) -> str | None:
