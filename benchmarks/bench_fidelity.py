@@ -251,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Every query of the model sees at least its own key; on CUDA, whose SDPA gives a fully
+    # masked row other values than the op, the rewrite must be told so.
+    os.environ.setdefault("PAGEDFUSE_ASSUME_VISIBLE_KEY", "1")
     torch.set_num_threads(args.threads)
     try:
         loaded = smollm2.load(args.model_path)

@@ -27,6 +27,7 @@ import argparse
 import importlib
 import importlib.util
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -560,6 +561,10 @@ def cmd_demo_tp(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        # Every query of the demo's models sees at least its own key; on CUDA, whose SDPA
+        # gives a fully masked row other values than the op, the rewrite must be told so.
+        os.environ.setdefault("PAGEDFUSE_ASSUME_VISIBLE_KEY", "1")
     if args.model:
         return cmd_demo_model(args)
     if args.tp:

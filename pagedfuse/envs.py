@@ -62,6 +62,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1: the CUDA C++ decode takes its balanced grid rather than fixed splits (faster "
            "on a batch of one long sequence among short ones; see docs/cuda-decode.md)",
            "python", _flag),
+    EnvVar("PAGEDFUSE_ASSUME_VISIBLE_KEY", "0",
+           "1: the rewrite may assume every query row of a compiled program sees at least one "
+           "key (true of a serving step, where each query sees itself): on a device whose SDPA "
+           "gives a fully masked row other values than the op's zeros (CUDA), masked attention "
+           "is fused only under this assumption", "python", _flag),
     EnvVar("PAGEDFUSE_CPU_ISA", "auto",
            "the CPU kernels' instruction set: auto, portable or avx512 (AVX-512 VNNI)", "c++"),
     EnvVar("PAGEDFUSE_CUDA", "auto",

@@ -246,6 +246,28 @@ def test_where_sdpa_gives_fully_masked_rows_other_values_masked_sites_are_kept(m
     assert differential(unmasked, (*_inputs(), torch.tensor([5, 9]))).rewritten
 
 
+def test_a_user_who_states_every_row_sees_a_key_gets_masked_sites_fused(monkeypatch):
+    """Where SDPA gives a fully masked row other values than the op, the kept site's reason
+    names PAGEDFUSE_ASSUME_VISIBLE_KEY; with it set the site is fused (and equals eager on
+    lengths that leave every row a key), the report saying what was assumed."""
+    monkeypatch.setattr(preconditions, "fully_masked_rows", lambda *args: "other values")
+
+    def masked(q, kc, vc, bt, sl):
+        mask = (torch.arange(M * BS) < sl[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q, _bhld(kc[bt]), _bhld(vc[bt]), attn_mask=mask,
+                                              enable_gqa=True)
+
+    args = (*_inputs(seed=5), torch.tensor([1, 11]))
+    _kept(differential(masked, args), "masked rows", "set PAGEDFUSE_ASSUME_VISIBLE_KEY=1")
+    monkeypatch.setenv("PAGEDFUSE_ASSUME_VISIBLE_KEY", "1")
+    torch._dynamo.reset()
+    outcome = differential(masked, args)
+    outcome.check()
+    assert outcome.rewritten
+    check = next(c for c in outcome.report.sites[0].checks if c.name == "masked rows")
+    assert check.passed and "PAGEDFUSE_ASSUME_VISIBLE_KEY=1" in check.reason
+
+
 class CacheModule(torch.nn.Module):
     """Caches as buffers written in place, with a graph break between two attentions."""
 

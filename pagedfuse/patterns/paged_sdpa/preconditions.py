@@ -13,6 +13,7 @@ import math
 import torch
 import torch.fx as fx
 
+from pagedfuse import envs
 from pagedfuse.graph.layout import is_one, same_size, static_int, unify_sizes
 from pagedfuse.graph.ops import describe, fake
 from pagedfuse.graph.region import escapes, stale_reads
@@ -325,16 +326,21 @@ def _mask_passes(match: Match) -> str:
 def _masked_rows(match: Match) -> str | None:
     """The op gives a row with no visible key zeros; where a mask may hide every key of a
     row, SDPA on this device must give zeros too (the explicit spelling's NaN rows are set
-    after the op)."""
+    after the op), or the user states that no row is ever fully masked."""
     site = _site(match)
-    if site.mask is None or site.masking.nan_rows:
+    if site.mask is None or site.masking.nan_rows or _sdpa_masked_row(site) == "zeros":
         return None
-    got = fully_masked_rows(site.q_fake.device, site.q_fake.dtype, fake(site.mask).dtype,
-                            static_int(site.size("dim")) or 64)
-    if got == "zeros":
+    if envs.PAGEDFUSE_ASSUME_VISIBLE_KEY:
         return None
-    return (f"SDPA on {site.q_fake.device.type} gives a fully masked row {got}, the op zeros; "
-            f"the mask {site.mask.name} may hide every key of a row")
+    return (f"SDPA on {site.q_fake.device.type} gives a fully masked row "
+            f"{_sdpa_masked_row(site)}, the op zeros; the mask {site.mask.name} may hide every "
+            "key of a row (if none ever does, as in a serving step where each query sees "
+            "itself, set PAGEDFUSE_ASSUME_VISIBLE_KEY=1)")
+
+
+def _sdpa_masked_row(site: PagedSite) -> str:
+    return fully_masked_rows(site.q_fake.device, site.q_fake.dtype, fake(site.mask).dtype,
+                             static_int(site.size("dim")) or 64)
 
 
 def _masked_rows_passes(match: Match) -> str:
@@ -344,7 +350,11 @@ def _masked_rows_passes(match: Match) -> str:
     if site.masking.nan_rows:
         return ("a row the mask hides entirely is set to NaN after the op, as the explicit "
                 "softmax gives it")
-    return f"SDPA on {site.q_fake.device.type} gives a fully masked row zeros, as the op does"
+    got = _sdpa_masked_row(site)
+    if got == "zeros":
+        return f"SDPA on {site.q_fake.device.type} gives a fully masked row zeros, as the op does"
+    return (f"every row sees a key (PAGEDFUSE_ASSUME_VISIBLE_KEY=1; SDPA on "
+            f"{site.q_fake.device.type} would give a fully masked row {got})")
 
 
 def _causal_passes(match: Match) -> str:
