@@ -194,8 +194,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # Each query continuous batching schedules sees at least its own key; on CUDA, whose SDPA
-    # gives a fully masked row other values than the op, the rewrite must be told so.
+    # Each query continuous batching schedules sees at least its own key (a row that only pads
+    # the batch may not, and nothing reads its output); on CUDA, whose SDPA gives a fully
+    # masked row other values than the op, the rewrite must be told so.
     os.environ.setdefault("PAGEDFUSE_ASSUME_VISIBLE_KEY", "1")
     command = "python " + shlex.join(sys.argv)
     PagedAttentionCache.__init__ = zeroing(PagedAttentionCache.__init__)
