@@ -197,3 +197,14 @@ def test_a_call_that_needs_gradients_fails_at_backward():
     with pytest.raises(RuntimeError, match="pagedfuse::paged_attention has no backward"):
         out.sum().backward()
 
+
+
+def test_the_runner_takes_a_backend_at_a_head_dim_the_devices_kernels_lack(monkeypatch):
+    """As the reference on CUDA at head_dim 96: the device's kernels serve only 64, yet the
+    any-device reference runs the grid's head_dim 96 case through the shared runner."""
+    only64 = backends.Backend(name="only64", device="cpu", priority=1,
+                              head_dims={FLOAT_OP: {64}}, run=lambda call, out, plan: None)
+    case = next(c for c in GRID if c.name == "decode-f32-d96")
+    with without_backends("cpu"), registered(only64):
+        assert backends.head_dim_reason(FLOAT_OP, "cpu", 96) is not None
+        assert run_case(backends.get_backend("reference"), case, "cpu", monkeypatch) is None
