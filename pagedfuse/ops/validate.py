@@ -343,35 +343,40 @@ def check_values(
     than keys (its early rows read fewer keys, or none), and block ids in [-num_blocks, 0),
     which wrap like ``cache[block_table]``.
     """
-    qsl = query_start_loc.to(torch.int64)
-    if int(qsl[0]) != 0:
-        raise ValueError(f"query_start_loc: must start at 0, got {int(qsl[0])}")
+    # The per-sequence values as Python ints: a handful of them, each torch op on them would
+    # cost more than the list (this runs on every eager CPU call).
+    starts = query_start_loc.tolist()
+    if starts[0] != 0:
+        raise ValueError(f"query_start_loc: must start at 0, got {starts[0]}")
     if geo.batch == 0:
         return  # check_metadata has seen that there are no query tokens either
-    sl = seq_lens.to(torch.int64)
-    shortest, longest = int(sl.min()), int(sl.max())
+    lens = seq_lens.tolist()
+    shortest, longest = min(lens), max(lens)
     if shortest < 0:
         raise ValueError(f"seq_lens: entries must be >= 0, got min {shortest}")
     capacity = geo.max_blocks * geo.block_size
     if longest > capacity:
         raise ValueError(f"seq_lens: max {longest} exceeds the block table's capacity "
                          f"{geo.max_blocks} blocks x {geo.block_size} = {capacity}")
-    q_lens = qsl[1:] - qsl[:-1]
-    if int(q_lens.min()) < 0:
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    if min(q_lens) < 0:
         raise ValueError("query_start_loc: must be non-decreasing")
-    if int(qsl[-1]) != geo.num_tokens:
-        raise ValueError(f"query_start_loc: last entry {int(qsl[-1])} must equal query's "
+    if starts[-1] != geo.num_tokens:
+        raise ValueError(f"query_start_loc: last entry {starts[-1]} must equal query's "
                          f"num_tokens {geo.num_tokens}")
-    used_blocks = (sl + geo.block_size - 1) // geo.block_size
-    in_use = torch.arange(geo.max_blocks, device=sl.device)[None, :] < used_blocks[:, None]
-    if bool(in_use.any()):
-        used = block_table.to(torch.int64)[in_use]
-        lo, hi = int(used.min()), int(used.max())
+    if longest > 0:  # some block is in use: block j of sequence b when j * block_size < len
+        widest = -(-longest // geo.block_size)
+        table = block_table[:, :widest].cpu()
+        in_use = torch.arange(0, widest * geo.block_size, geo.block_size) < seq_lens.cpu()[:, None]
+        first = next(b for b, n in enumerate(lens) if n > 0)
+        # blocks not in use read as one that is (a where is faster than a boolean index)
+        lo, hi = torch.where(in_use, table, table[first, 0]).aminmax()
+        lo, hi = int(lo), int(hi)
         if lo < -geo.num_blocks or hi >= geo.num_blocks:
             raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside "
                              f"[-{geo.num_blocks}, {geo.num_blocks}) (the cache's "
                              f"{geo.num_blocks} blocks; negative ids wrap)")
-    longest_q = int(q_lens.max())
+    longest_q = max(q_lens)
     if max_seq_len is not None and max_seq_len < longest:
         raise ValueError(f"max_seq_len: hint {max_seq_len} < longest sequence {longest}")
     if max_query_len is not None and max_query_len < longest_q:
