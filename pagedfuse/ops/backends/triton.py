@@ -78,7 +78,7 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     return chosen._replace(splits=splits)
 
 
-# The launch config each kernel specialisation runs with where its plan's needs more shared
+# The launch config each kernel specialisation runs with where its plan needs more shared
 # memory than the GPU has (head_dim 256 with several query rows per tile; INT8 V at head_dim
 # 128 and up, whose V tile is transposed through shared memory): found by launching, as
 # ptxas decides the bytes and GPUs differ (232 KB per block on the H200, 163 KB on an A100).
