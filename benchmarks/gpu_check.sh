@@ -12,6 +12,9 @@
 # VARIANTS (tune/check): nvcc flag sets separated by ";" (e.g. "-DX=1;-DX=2"); after the
 # sweeps, the CUDA library is rebuilt for sm_90 with each set and the sweeps run again, so
 # kernel builds compare in one call.
+# TEST_S (default 240): seconds for the GPU tests (all of them, about 1300, need more than
+# 420 s at 8 workers: give them a call of their own); WORKERS (default 12): pytest-xdist
+# workers.
 # LIB=path/_cuda_kernels.so: take that prebuilt CUDA library (compiled with the same nvcc for
 # sm_90 and carried) instead of building it here.
 # Wheels under .whl/ (e.g. the transformers version the tests pin) are installed first into
@@ -60,9 +63,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch; from pagedfuse.ops import cuda_native as n; \
 print('CUDA C++ decode available:', n.decode_available(torch.device('cuda')))"
 
-run_tests() {  # $1: test paths
-  timeout "$(limit 240)" $PY -m pytest -m cuda -q -n 8 -p no:cacheprovider \
-    --continue-on-collection-errors $1 >"$OUT/pytest.log" 2>&1
+run_tests() {  # $1: test paths. -v: a run cut by its timeout still names what it ran and failed
+  timeout "$(limit ${TEST_S:-240})" $PY -m pytest -m cuda -v -n ${WORKERS:-12} -p no:cacheprovider \
+    -rf --tb=short --continue-on-collection-errors $1 >"$OUT/pytest.log" 2>&1
 }
 
 run_memcheck() {
@@ -83,7 +86,8 @@ if [ "$MODE" != tune ]; then
   wait $tests_pid || { echo "pytest FAILED"; status=1; }
   wait $memcheck_pid || { echo "memcheck FAILED"; status=1; }
   wait $demo_pid || { echo "demo FAILED"; status=1; }
-  tail -15 "$OUT/pytest.log"
+  grep -E "^FAILED|^ERROR|\[gw[0-9]+\] (FAILED|ERROR)" "$OUT/pytest.log" | head -40
+  tail -3 "$OUT/pytest.log"
   tail -6 "$OUT/memcheck.log"
   tr '\r' '\n' <"$OUT/demo.log" | grep -E "PASS|FAIL|cases passed|Error" | grep -v "^pagedfuse"
 
@@ -95,7 +99,8 @@ if [ "$MODE" != tune ]; then
 else
   echo "== pytest -m cuda (kernel tests)"
   run_tests "tests/test_cuda_kernels.py tests/test_cuda_native.py" || status=1
-  tail -15 "$OUT/pytest.log"
+  grep -E "^FAILED|^ERROR|\[gw[0-9]+\] (FAILED|ERROR)" "$OUT/pytest.log" | head -40
+  tail -3 "$OUT/pytest.log"
 fi
 
 if [ "$MODE" != full ]; then
