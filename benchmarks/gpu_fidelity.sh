@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The H200 fidelity run of bench_fidelity.py: the 98 MB GGUF crosses to the device in two
+# calls (a call carries at most 64 MiB), back to back while the machine stays warm.
+#   here:    split -n 2 -d -a 2 ~/.cache/pagedfuse/SmolLM2-135M-Instruct.Q4_1.gguf part
+#            mkdir -p .gpu/gguf1 .gpu/gguf2 && mv part00 .gpu/gguf1/ && mv part01 .gpu/gguf2/
+#            (the gguf wheel in .whl/: pip download --no-deps -d .whl gguf)
+#   call 1:  benchmarks/gpu_fidelity.sh first     carry [".gpu/gguf1", ".whl"]
+#   call 2:  benchmarks/gpu_fidelity.sh run       carry [".gpu/gguf2", LIB's folder]
+# LIB=path/_cuda_kernels.so (a prebuilt sm_90 library) is copied into the package first;
+# FID_LIMIT (default 480) bounds the benchmark. The record goes to $OUT/fidelity-cuda.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGE=/tmp/pagedfuse-gguf
+MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
+case "${1:-}" in
+  first)
+    mkdir -p "$STAGE" /tmp/site
+    cp .gpu/gguf1/part00 "$STAGE/"
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+    ls -la "$STAGE" ;;
+  run)
+    cat "$STAGE/part00" .gpu/gguf2/part01 > "$MODEL"
+    sha256sum "$MODEL"
+    if [ -n "${LIB:-}" ]; then cp "$LIB" pagedfuse/; fi
+    export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+    timeout "${FID_LIMIT:-480}" python3 benchmarks/bench_fidelity.py --device cuda \
+      --model-path "$MODEL" --prefill 896 \
+      --runs fp32/eager bf16/pagedfuse int8/eager int8/pagedfuse int8k-bf16v/pagedfuse \
+      int8k-bf16v/dequant --json "${OUT:-/tmp}/fidelity-cuda.json" 2>&1 \
+      | tr '\r' '\n' | grep -v "step/s" | tail -40 ;;
+  *)
+    echo "usage: $0 first|run" >&2; exit 2 ;;
+esac
