@@ -66,7 +66,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1: the rewrite may assume every query row of a compiled program sees at least one "
            "key (true of a serving step, where each query sees itself): on a device whose SDPA "
            "gives a fully masked row other values than the op's zeros (CUDA), masked attention "
-           "is fused only under this assumption", "python", _flag),
+           "is fused only under this assumption (read when a graph compiles)", "python", _flag),
     EnvVar("PAGEDFUSE_CPU_ISA", "auto",
            "the CPU kernels' instruction set: auto, portable or avx512 (AVX-512 VNNI)", "c++"),
     EnvVar("PAGEDFUSE_CUDA", "auto",
