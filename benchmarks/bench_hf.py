@@ -1,4 +1,5 @@
-"""Decode throughput of transformers' continuous batching, compiled with and without pagedfuse.
+"""Time to first token and decode throughput of transformers' continuous batching, compiled
+with and without pagedfuse.
 
 A random Llama (no download) runs `generate_batch` with `attn_implementation="sdpa"`; the
 varlen path is compiled once with plain inductor and once with
@@ -7,6 +8,11 @@ including the automatic-dynamic recompile), then `--repeats` timed runs. Decode 
 tokens produced after the last request got its first token / the time from then to the last
 token (per-token timestamps from transformers), so prefill and compile time are excluded;
 a decode step is one token of the request that decodes longest in that window.
+Time to first token: per request, its first token's timestamp minus its creation (every
+request is submitted at once, so the last one's is the whole prefill phase); median and last.
+The issue's end-to-end H200 case: --requests 16 --min-prompt 4096 --max-prompt 4096
+--new-tokens 64 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --layers 4
+--max-batch-tokens 4096.
 The table is printed, dated, with machine and command; --json keeps the record
 (summarize.py reads benchmarks/results/).
 
@@ -47,6 +53,7 @@ class Run:
     decode_tokens: int
     decode_steps: int
     decode_seconds: float
+    ttft_seconds: list[float]  # per request
     tokens: list[list[int]]
 
     @property
@@ -56,6 +63,11 @@ class Run:
     @property
     def step_ms(self) -> float:
         return 1e3 * self.decode_seconds / self.decode_steps
+
+    @property
+    def ttft_ms(self) -> tuple[float, float]:
+        """Median and last request's time to first token."""
+        return (1e3 * statistics.median(self.ttft_seconds), 1e3 * max(self.ttft_seconds))
 
 
 def zeroing(init: Callable) -> Callable:
@@ -115,7 +127,8 @@ def generate(model, prompts, args: argparse.Namespace, backend) -> Run:
     decode_start = max(s[0] for s in stamps)  # every request has had its prefill
     decode_end = max(s[-1] for s in stamps)
     decoded = [sum(1 for t in s if t > decode_start) for s in stamps]
-    return Run(sum(decoded), max(decoded), decode_end - decode_start,
+    ttft = [r.timestamps[0] - r.created_time for r in out.values()]
+    return Run(sum(decoded), max(decoded), decode_end - decode_start, ttft,
                [list(r.generated_tokens) for r in out.values()])
 
 
@@ -126,6 +139,12 @@ def measure(model, prompts, args: argparse.Namespace, backend) -> tuple[list[Run
     generate(model, prompts, args, backend)
     first = time.perf_counter() - start
     return [generate(model, prompts, args, backend) for _ in range(args.repeats)], first
+
+
+def _median_ttft(runs: list[Run]) -> tuple[float, float]:
+    """The runs' medians of the median and of the last time to first token, ms."""
+    return (statistics.median(r.ttft_ms[0] for r in runs),
+            statistics.median(r.ttft_ms[1] for r in runs))
 
 
 def machine(device: str) -> str:
@@ -152,13 +171,16 @@ def markdown(args: argparse.Namespace, rows: dict[str, tuple[list[Run], float]],
         f"after one compiling run; KV caches zero-initialized. pagedfuse sites rewritten: "
         f"{sites}. Same tokens with and without pagedfuse: {'yes' if same_tokens else 'NO'}.",
         "",
-        "| backend | decode tok/s | ms per decode step | first (compiling) run s |",
-        "|---|---|---|---|",
+        "| backend | time to first token, ms (median / last) | decode tok/s | "
+        "ms per decode step | first (compiling) run s |",
+        "|---|---|---|---|---|",
     ]
     for name, (runs, first) in rows.items():
         decode = statistics.median(r.decode_tps for r in runs)
         step = statistics.median(r.step_ms for r in runs)
-        lines.append(f"| {name} | {decode:,.0f} | {step:.2f} | {first:.1f} |")
+        median_ttft, last_ttft = _median_ttft(runs)
+        lines.append(f"| {name} | {median_ttft:.1f} / {last_ttft:.1f} | {decode:,.0f} | "
+                     f"{step:.2f} | {first:.1f} |")
     base, fused = (statistics.median(r.decode_tps for r in runs) for runs, _ in rows.values())
     lines += ["", f"pagedfuse / inductor decode throughput: {fused / base:.2f}x"]
     return "\n".join(lines) + "\n"
@@ -222,6 +244,7 @@ def main() -> None:
             "rows": [{"backend": name,
                       "decode_tok_s": statistics.median(r.decode_tps for r in runs),
                       "step_ms": statistics.median(r.step_ms for r in runs),
+                      "ttft_ms": _median_ttft(runs)[0], "last_ttft_ms": _median_ttft(runs)[1],
                       "first_run_s": first} for name, (runs, first) in rows.items()],
         }
         with open(args.json, "w") as f:

@@ -215,11 +215,14 @@ def hf(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}, "
               f"Python {env['python']}; `{env['command']}`")
-    rows = [[r["backend"], f"{r['decode_tok_s']:,.0f}", f"{r['step_ms']:.2f}",
+    rows = [[r["backend"],
+             f"{r['ttft_ms']:.1f} / {r['last_ttft_ms']:.1f}" if "ttft_ms" in r else "n/a",
+             f"{r['decode_tok_s']:,.0f}", f"{r['step_ms']:.2f}",
              "n/a" if r["first_run_s"] is None else f"{r['first_run_s']:.1f}"]
             for r in record["rows"]]
     base, fused = (r["decode_tok_s"] for r in record["rows"])
-    head = ["backend", "decode tok/s", "ms per decode step", "first (compiling) run s"]
+    head = ["backend", "time to first token, ms (median / last)", "decode tok/s",
+            "ms per decode step", "first (compiling) run s"]
     same = {True: "yes", False: "no (bf16 on a random model: near-tied logits)",
             None: "not recorded"}[record["same_tokens"]]
     return ran_on, (table(head, rows) + f"\n\npagedfuse / inductor: {fused / base:.2f}x; same "
