@@ -33,7 +33,6 @@ Prints a markdown table; --json keeps the record (summarize.py reads benchmarks/
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import hashlib
@@ -43,13 +42,14 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 import pagedfuse
+from pagedfuse import envs
 from pagedfuse.models import fidelity, from_transformers, generate, smollm2
 
 CACHES: dict[str, dict[str, str]] = {
@@ -114,7 +114,7 @@ def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: 
     if path != "eager":
         forward = torch.compile(model, backend=pagedfuse.backend(inner=args.inner))
     start = time.perf_counter()
-    with forced_backend(FORCED_BACKEND.get(path)):
+    with envs.overridden("PAGEDFUSE_BACKEND", FORCED_BACKEND.get(path)):
         scores = fidelity.score_windows(model, windows, args.prefill, forward=forward,
                                         on_step=tick)
         agreement = fidelity.greedy_agreement(model, reference, args.greedy_prompt_len,
@@ -130,21 +130,6 @@ def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: 
                      fidelity.perplexity(scores.prefill), fidelity.perplexity(scores.decode),
                      agreement, f"{rewritten}/{found}" if reports else "-", len(reports),
                      seconds)
-
-
-@contextlib.contextmanager
-def forced_backend(name: str | None) -> Iterator[None]:
-    """PAGEDFUSE_BACKEND=name inside the block (None: leave it as it is)."""
-    old = os.environ.get("PAGEDFUSE_BACKEND")
-    if name is not None:
-        os.environ["PAGEDFUSE_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PAGEDFUSE_BACKEND", None)
-        else:
-            os.environ["PAGEDFUSE_BACKEND"] = old
 
 
 def _rel(value: float, base: float) -> float:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefill as bp  # noqa: E402  (also puts tests/ on the path)
 from helpers.prefill import paged_call  # noqa: E402
 
+from pagedfuse import envs  # noqa: E402
 from pagedfuse.ops import cudnn_paged  # noqa: E402
 from pagedfuse.ops.backends import get_backend  # noqa: E402
 
@@ -232,7 +233,6 @@ def check_compile(name: str, geo: tuple[int, int, int]) -> dict:
     """A compiled caller (dynamic=True) of the op forced to ``name``, on one cache with a
     varying token count: recompiles, cuDNN graphs built, first-call seconds, error."""
     hq, hkv, d = geo
-    os.environ["PAGEDFUSE_BACKEND"] = name
     torch._dynamo.reset()
     ops = torch.ops.pagedfuse
 
@@ -248,26 +248,26 @@ def check_compile(name: str, geo: tuple[int, int, int]) -> dict:
     table = torch.randperm(blocks, device="cuda").view(4, -1).to(torch.int32)
     firsts, errs = [], []
     try:
-        for chunk in (64, 200, 512, 777, 1024):
-            q_lens = [chunk, chunk // 2, 1, 7]
-            lens = torch.tensor([2048 + n for n in q_lens], device="cuda", dtype=torch.int32)
-            starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                  device="cuda", dtype=torch.int32)
-            q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
-            args = (q, kc, vc, table, lens, starts)
-            torch.cuda.synchronize()
-            t = time.time()
-            got = compiled(*args)
-            torch.cuda.synchronize()
-            firsts.append(round(time.time() - t, 3))
-            errs.append(bp.rel_err(got, attend(*args).float()))
+        with envs.overridden("PAGEDFUSE_BACKEND", name):
+            for chunk in (64, 200, 512, 777, 1024):
+                q_lens = [chunk, chunk // 2, 1, 7]
+                lens = torch.tensor([2048 + n for n in q_lens], device="cuda",
+                                    dtype=torch.int32)
+                starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                      device="cuda", dtype=torch.int32)
+                q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
+                args = (q, kc, vc, table, lens, starts)
+                torch.cuda.synchronize()
+                t = time.time()
+                got = compiled(*args)
+                torch.cuda.synchronize()
+                firsts.append(round(time.time() - t, 3))
+                errs.append(bp.rel_err(got, attend(*args).float()))
         verdict = {"recompiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]
                    - frames, "first_call_s": firsts, "err_vs_eager_max": max(errs)}
     except Exception as exc:
         verdict = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         traceback.print_exc()
-    finally:
-        del os.environ["PAGEDFUSE_BACKEND"]
     verdict["cudnn_graphs_built"] = cudnn_paged.builds - builds
     return verdict
 

@@ -21,14 +21,12 @@ The lines are printed; --json DIR keeps each device's record as DIR/overhead-<de
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
-import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -120,7 +118,7 @@ def measure_attention(device: torch.device, geo: tuple[int, int, int], kind: str
             continue
         row = {"backend": backend.name, **pieces,
                "run": per_call_us(partial(backend.run, call, out, None), device, calls, reps)}
-        with _forced(backend.name):
+        with envs.overridden("PAGEDFUSE_BACKEND", backend.name):
             with torch.inference_mode():
                 row["op_inference_mode"] = per_call_us(partial(op, **args), device, calls,
                                                        reps)
@@ -152,20 +150,6 @@ def measure(device: torch.device, calls: int, reps: int) -> list[dict]:
             rows.append(row)
             print(_line(row), flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def _forced(name: str) -> Iterator[None]:
-    """PAGEDFUSE_BACKEND=name for the block."""
-    old = os.environ.get("PAGEDFUSE_BACKEND")
-    os.environ["PAGEDFUSE_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["PAGEDFUSE_BACKEND"]
-        else:
-            os.environ["PAGEDFUSE_BACKEND"] = old
 
 
 def _line(row: dict) -> str:

@@ -9,8 +9,9 @@ since the package cannot be imported before it is built.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,24 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDFUSE_NVCC_FLAGS", "",
            "extra nvcc flags (e.g. a -D of a kernel variant to time)", "setup.py"),
 )}
+
+
+@contextlib.contextmanager
+def overridden(name: str, value: str | None) -> Iterator[None]:
+    """The switch ``name`` set to ``value`` inside the block (None: left as it is), then put
+    back as it was (unset included): how tests and benchmarks force a backend or an ISA."""
+    if name not in VARIABLES:
+        raise ValueError(f"name: {name!r} is not a declared switch ({', '.join(VARIABLES)})")
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def __getattr__(name: str) -> Any:

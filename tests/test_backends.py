@@ -4,6 +4,8 @@ registered by a test that is chosen, reported and conformance-tested."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import toy_backend
@@ -208,3 +210,23 @@ def test_the_runner_takes_a_backend_at_a_head_dim_the_devices_kernels_lack(monke
     with without_backends("cpu"), registered(only64):
         assert backends.head_dim_reason(FLOAT_OP, "cpu", 96) is not None
         assert run_case(backends.get_backend("reference"), case, "cpu", monkeypatch) is None
+
+
+def test_a_switch_overridden_for_a_block_is_put_back(monkeypatch):
+    """envs.overridden forces a backend for a block and restores the variable as it was,
+    unset included, also when the block raises; an undeclared name is refused."""
+    from pagedfuse import envs
+
+    monkeypatch.delenv("PAGEDFUSE_BACKEND", raising=False)
+    with envs.overridden("PAGEDFUSE_BACKEND", "reference"):
+        assert envs.PAGEDFUSE_BACKEND == "reference"
+    assert "PAGEDFUSE_BACKEND" not in os.environ
+    monkeypatch.setenv("PAGEDFUSE_BACKEND", "cpu")
+    with pytest.raises(RuntimeError), envs.overridden("PAGEDFUSE_BACKEND", "reference"):
+        raise RuntimeError
+    assert envs.PAGEDFUSE_BACKEND == "cpu"
+    with envs.overridden("PAGEDFUSE_BACKEND", None):
+        assert envs.PAGEDFUSE_BACKEND == "cpu"
+    with pytest.raises(ValueError, match="name: 'PAGEDFUSE_BAKEND' is not a declared switch"):
+        with envs.overridden("PAGEDFUSE_BAKEND", "cpu"):
+            pass

@@ -4,12 +4,12 @@ CPU kernels' instruction set."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from pagedfuse import envs
 from pagedfuse.ops.backends import Backend, backends_for, register_backend, unregister_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.reference import paged_attention_reference
@@ -78,16 +78,9 @@ def use_isa(isa: str) -> Iterator[None]:
 
     if isa not in cpu.available_isas():
         pytest.skip(f"this CPU cannot run the {isa} path")
-    old = os.environ.get("PAGEDFUSE_CPU_ISA")
-    os.environ["PAGEDFUSE_CPU_ISA"] = isa
-    try:
+    with envs.overridden("PAGEDFUSE_CPU_ISA", isa):
         assert cpu.selected_isa() == isa
         yield
-    finally:
-        if old is None:
-            del os.environ["PAGEDFUSE_CPU_ISA"]
-        else:
-            os.environ["PAGEDFUSE_CPU_ISA"] = old
 
 
 @contextlib.contextmanager
