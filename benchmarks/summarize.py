@@ -211,6 +211,46 @@ def fidelity(record: dict) -> tuple[str, str]:
     return ran_on, table(head, rows) + ("\n\n" + "\n".join(checks) if checks else "")
 
 
+def library_prefill(record: dict) -> tuple[str, str]:
+    """Our prefill kernel against cuDNN's paged SDPA (the opt-in backend) per case, beside
+    the fastest contiguous SDPA, and the checks that decide whether a library is taken."""
+    env = record["env"]
+    ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN frontend "
+              f"{env['cudnn_frontend']} (backend {env['cudnn_backend']}), Python "
+              f"{env['python']}; `bench_library_prefill.py {' '.join(env['argv'])}`")
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in record["rows"]:
+        if "ms" in r:
+            by_case.setdefault((r["geometry"], r["case"]), {})[r["method"]] = r
+    rows = []
+    for (geo, case), methods in by_case.items():
+        ours, lib = methods.get("triton_prefill"), methods.get("cudnn_prefill")
+        sdpa = [methods[m] for m in ("SDPA cudnn", "SDPA flash") if m in methods]
+        best = min(sdpa, key=lambda r: r["ms"]) if sdpa else None
+        rows.append([geo, case, _ms(ours["ms"]) if ours else "n/a",
+                     _ms(lib["ms"]) if lib else "n/a",
+                     f"{ours['ms'] / lib['ms']:.2f}x" if ours and lib else "n/a",
+                     f"{best['method']} {_ms(best['ms'])}" if best else "n/a",
+                     f"{_us(ours.get('host_us')) if ours else 'n/a'} / "
+                     f"{_us(lib.get('host_us')) if lib else 'n/a'}"])
+    head = ["geometry", "case", "triton_prefill, ms", "cudnn_prefill, ms",
+            "cuDNN speed x ours", "fastest contiguous SDPA, ms", "host µs per eager call "
+            "(ours / cuDNN)"]
+    checks = record.get("checks", {})
+    lines = [f"- {name}: CUDA graph replays equal eager: {c['replays_equal_eager']}; "
+             f"{c['sync']}; compiled with dynamic=True: "
+             f"{c['compile_dynamic'].get('recompiled_graphs', 'n/a')} graph(s)"
+             for name, c in checks.items() if name in ("triton_prefill", "cudnn_prefill")]
+    install = checks.get("install")
+    if install:
+        lines.append(f"- install: the frontend wheel {install['frontend_wheel_mb']} MB "
+                     f"({install['nvidia-cudnn-frontend_installed_mb']} MB installed; "
+                     "libcudnn ships with torch)")
+    note = ("ms per call (do_bench medians), bf16, 16-token pages; decision and the op-contract "
+            "difference (NaN in unread V slots): docs/library-kernels.md.")
+    return ran_on, note + "\n\n" + table(head, rows) + "\n\n" + "\n".join(lines)
+
+
 def hf(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['machine']}, torch {env['torch']}, transformers {env['transformers']}, "
@@ -247,6 +287,9 @@ SUMMARIES = (
             lambda r: r["env"]["date"]),
     Summary("GPU prefill", "bench_prefill.py", "prefill_h200_*.json", prefill,
             lambda r: r["env"]["date"], skip=("_pv_int8",)),
+    Summary("Library kernels for prefill", "bench_library_prefill.py",
+            "library_prefill_*.json", library_prefill, lambda r: r["env"]["date"],
+            skip=("_host",)),
     Summary("GPU sliding-window decode", "bench_window.py", "window_*.json", window,
             lambda r: r["env"]["date"], group=lambda r: r["problem"]["geometry"]),
     Summary("transformers continuous batching", "bench_hf.py", "hf_*.json", hf,
