@@ -38,6 +38,12 @@ def _inputs(seed: int = 0, batch: int = B, q_len: int = 1, kv_dtype=torch.float3
     return q, kc, vc, bt, sl
 
 
+def _int8_inputs() -> tuple[torch.Tensor, ...]:
+    """_inputs with INT8 caches, plus their per-token K and V scales."""
+    scales = [torch.rand(N, BS, HKV) * 0.02 + 0.005 for _ in range(2)]
+    return (*_inputs(kv_dtype=torch.int8), *scales)
+
+
 def _bhld(pages: torch.Tensor) -> torch.Tensor:
     return pages.flatten(1, 2).transpose(1, 2)
 
@@ -141,9 +147,7 @@ def test_scales_written_through_a_view_after_the_gather():
         ks.select(1, 0).mul_(4.0)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    q, kc, vc, bt, sl = _inputs(kv_dtype=torch.int8)
-    scales = [torch.rand(N, BS, HKV) * 0.02 + 0.005 for _ in range(2)]
-    outcome = differential(fn, (q, kc, vc, bt, sl, *scales), tolerance=INT8_TOLERANCE)
+    outcome = differential(fn, _int8_inputs(), tolerance=INT8_TOLERANCE)
     _assert_kept(outcome, "cache writes", "l_ks_")
 
 
@@ -168,9 +172,7 @@ def test_dtype_view_of_an_int8_cache_is_not_a_reshape(dtype):
         v = _bhld(vc[bt].float() * vs[bt][..., None])
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    q, kc, vc, bt, sl = _inputs(kv_dtype=torch.int8)
-    scales = [torch.rand(N, BS, HKV) * 0.02 + 0.005 for _ in range(2)]
-    outcome = differential(fn, (q, kc, vc, bt, sl, *scales), tolerance=INT8_TOLERANCE)
+    outcome = differential(fn, _int8_inputs(), tolerance=INT8_TOLERANCE)
     _assert_kept(outcome, "match", "view")
 
 
