@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.backends import threads, use_isa
+from helpers.cases import poison_kv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pagedfuse  # noqa: F401  (registers torch.ops.pagedfuse.*)
@@ -410,16 +411,8 @@ def _poison(c: Case, where: str) -> Case:
     value = INF if where.endswith("inf") else NAN
     if where.startswith("q"):
         c.query[q0 + (q1 - q0) // 2, 1, 7] = value
-    elif where.startswith("k"):
-        if c.key_scale is None:
-            c.key_cache[blk, slot, 0, 3] = value
-        else:
-            c.key_scale[blk, slot, 0] = value
-    elif where.startswith("v"):
-        if c.value_scale is None:
-            c.value_cache[blk, slot, 1, 11] = value
-        else:
-            c.value_scale[blk, slot, 1] = value
+    elif where[0] in ("k", "v"):
+        poison_kv(c, where[0], blk, slot, value)
     elif where == "bias_nan":
         c.attn_bias[1, 2, 1, key] = NAN
     elif where == "bias_posinf":

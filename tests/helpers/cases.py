@@ -124,6 +124,21 @@ class Case:
             window_left=c.window_left, softcap=c.softcap)
 
 
+def poison_kv(case: object, which: str, block: int, slot: int, value: float) -> None:
+    """``value`` into one key ("k") or value ("v") of the cache at (block, slot): an element
+    of the float cache, or the token's scale of an INT8 one (head 0 of K, head 1 of V).
+    ``case``: any record with the op's cache fields (key_cache, key_scale, ...)."""
+    if which == "k":
+        if case.key_scale is None:
+            case.key_cache[block, slot, 0, 3] = value
+        else:
+            case.key_scale[block, slot, 0] = value
+    elif case.value_scale is None:
+        case.value_cache[block, slot, 1, 11] = value
+    else:
+        case.value_scale[block, slot, 1] = value
+
+
 def _move(t: object, device: torch.device) -> object:
     """``t`` on ``device`` with its strides (``Tensor.to`` makes a non-dense view dense)."""
     if not isinstance(t, Tensor) or t.device == device:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from helpers.cases import KINDS, OUTSIDE, Case, make_case
+from helpers.cases import KINDS, OUTSIDE, Case, make_case, poison_kv
 from helpers.conformance import GridCase
 
 WINDOWS = (1, 7, 16, 4096, 1_000_000)  # the last is longer than every context
@@ -130,16 +130,8 @@ def poison_case(where: str, kind: str = "float", softcap: float = 3.0,
     blk, slot = int(case.block_table[0, key // block_size]), key % block_size
     if where.startswith("q"):
         case.query[1, 1, 7] = value  # sequence 0's row 1, head 1
-    elif where.startswith("k"):
-        if case.key_scale is None:
-            case.key_cache[blk, slot, 0, 3] = value
-        else:
-            case.key_scale[blk, slot, 0] = value
-    elif where.startswith("v"):
-        if case.value_scale is None:
-            case.value_cache[blk, slot, 1, 11] = value
-        else:
-            case.value_scale[blk, slot, 1] = value
+    elif where[0] in ("k", "v"):
+        poison_kv(case, where[0], blk, slot, value)
     else:
         case.attn_bias[0, 2, 0, key] = value
     return case
