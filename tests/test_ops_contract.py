@@ -376,3 +376,17 @@ def test_cuda_block_ids_checked_on_request_and_clamped_otherwise(monkeypatch):
     assert torch.isfinite(out).all()
     good = _call(c)
     assert torch.equal(out[0], good[0]) and torch.equal(out[4:], good[4:])  # other sequences
+
+
+def test_block_ids_are_checked_only_where_a_sequence_uses_them():
+    """A sequence with no keys may hold any ids (the check must not take its row as in use,
+    nor any column past a sequence's blocks); an id outside the cache that a later sequence
+    uses is refused, naming block_table."""
+    c = make_case(seq_lens=(0, 9, 21), q_lens=(1, 1, 1), num_blocks=16, block_size=4)
+    c.block_table[0] = 10_000  # sequence 0 reads no key
+    got = c.run_op()
+    assert rel_err(got, c.reference()) < 1e-5
+    used = c.with_(block_table=c.block_table.clone())
+    used.block_table[2, 5] = 16  # sequence 2's sixth block (keys 20..23): one past the cache
+    with pytest.raises(ValueError, match=r"block_table: entries in use span \[.*, 16\]"):
+        used.run_op()
