@@ -13,14 +13,21 @@ Caches: fp32, bf16, INT8 K + bf16 V, INT8 K+V, with the weights and the rest of 
 runs on up to three paths: ``eager`` is the model's own plain PyTorch (gather the pages,
 dequantize an INT8 cache, SDPA in the cache's float dtype); ``pagedfuse`` is the model compiled
 with the pagedfuse backend, every attention site rewritten to the fused op (the run fails
-otherwise); ``dequant`` is the same compiled model with the op forced to its pure-torch
-reference (PAGEDFUSE_BACKEND=reference), which dequantizes the same cache and attends in
-float32 over exactly the query, K and V the kernel receives. So pagedfuse vs dequant isolates
-the kernel's own loss (it also quantizes the query) from the cache's quantization loss
-(dequant vs fp32). Eager is not that baseline for INT8 K + bf16 V: there the model attends in
-bf16, and the bf16 SDPA's own rounding would be counted against the kernel. For INT8 K+V eager
-attends in float32 and is that baseline already (the dequant run is then a cross-check; on a
-GPU it costs minutes, the reference running one sequence at a time).
+otherwise); ``dequant`` is the same compiled model with the op forced to a plain
+dequantize-then-attend (the pure-torch reference with the query left unquantized, in
+float32) over exactly the query, K and V the kernel receives. So pagedfuse vs dequant is the
+kernel's own loss (quantizing the query, and P for an INT8 V) apart from the cache's
+quantization loss (dequant vs fp32). Eager is not that baseline for INT8 K + bf16 V: there
+the model attends in bf16, and the bf16 SDPA's own rounding would be counted against the
+kernel. For INT8 K+V eager attends in float32 and is that baseline already (the dequant run
+is then a cross-check; on a GPU it costs minutes, the reference running one sequence at a
+time).
+
+Each kernel-vs-dequant line also gives the paired standard error of the difference, over
+windows (the per-window mean log-likelihood differences' standard deviation over the square
+root of their count): an INT8 query rounds differently after any earlier layer's last-bit
+change, and the change persists through the rest of its window, so two runs that differ
+only in summation order already differ by about that much.
 
 Greedy agreement: eager fp32 generates --greedy-tokens tokens after each of --greedy-prompts
 text prompts; every run is fed that history and must pick the same tokens.
@@ -45,12 +52,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import pagedfuse
 from pagedfuse import envs
 from pagedfuse.models import fidelity, from_transformers, generate, smollm2
+from pagedfuse.ops.backends import Backend, register_backend
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.reference import paged_attention_reference
 
 CACHES: dict[str, dict[str, str]] = {
     "fp32": dict(kv_cache="fp32"),
@@ -61,8 +72,22 @@ CACHES: dict[str, dict[str, str]] = {
 CACHE_LABELS = {"fp32": "fp32", "bf16": "bf16", "int8k-bf16v": "INT8 K + bf16 V",
                 "int8": "INT8 K+V"}
 PATHS = ("eager", "pagedfuse", "dequant")
+
+
+def _dequantize_then_attend(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
+    out.copy_(paged_attention_reference(
+        call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
+        call.query_start_loc, call.scale, call.causal, call.attn_bias, call.key_scale,
+        call.value_scale, window_left=call.window_left, softcap=call.softcap,
+        quantize_query=False))
+
+
+# Asked only when forced: any device's own backends, and the reference, outrank it.
+DEQUANTIZE = register_backend(Backend(
+    name="dequantize-then-attend", device=None, priority=-1,
+    head_dims={FLOAT_OP: None, INT8_OP: None}, run=_dequantize_then_attend))
 # The op's backend per path (None: the registry's choice).
-FORCED_BACKEND = {"dequant": "reference"}
+FORCED_BACKEND = {"dequant": DEQUANTIZE.name}
 # Caches whose eager path already is the float32 dequantize-then-attend (no float V cache,
 # so the model attends in its fp32 activations): a dequant run is then only a cross-check.
 EAGER_IS_DEQUANT = frozenset({"int8"})
@@ -86,6 +111,9 @@ class RunResult:
     sites: str  # "rewritten/found" over the compiled graphs; "-" for eager
     graphs: int
     seconds: float
+    # Each window's mean NLL per path: kernel-vs-dequant standard errors come from these.
+    window_nll_prefill: list[float]
+    window_nll_decode: list[float]
 
 
 def text_tokens(tokenizer, count: int) -> torch.Tensor:
@@ -105,7 +133,8 @@ def _progress(total: int):
 
 
 def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: torch.Tensor,
-            reference: torch.Tensor, tick: Callable[[], None]) -> RunResult:
+            reference: torch.Tensor,
+            tick: Callable[[], None]) -> RunResult:
     model = from_transformers(hf_model, device=args.device, dtype=DTYPES[args.dtype],
                               block_size=args.block_size, **CACHES[cache])
     forward = model
@@ -129,15 +158,32 @@ def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: 
     return RunResult(cache, path, fidelity.perplexity(scores.text()),
                      fidelity.perplexity(scores.prefill), fidelity.perplexity(scores.decode),
                      agreement, f"{rewritten}/{found}" if reports else "-", len(reports),
-                     seconds)
+                     seconds, scores.prefill.mean(dim=1).tolist(),
+                     scores.decode.mean(dim=1).tolist())
 
 
 def _rel(value: float, base: float) -> float:
     return value / base - 1.0
 
 
-def checks(results: list[RunResult]) -> list[tuple[str, float, float, bool]]:
-    """(what, relative difference, limit, within it) for every bar the runs can be held to."""
+class Check(NamedTuple):
+    what: str
+    rel_diff: float
+    limit: float
+    passed: bool
+    std_error: float | None = None  # paired, for kernel-vs-dequant checks
+
+
+def _paired_std_error(kernel: list[float], base: list[float]) -> float:
+    """Standard error of the mean NLL difference (about that of the relative perplexity
+    difference, exp(mean difference) - 1), with windows as the independent samples: a
+    perturbation persists through the rest of its window, so its tokens are not."""
+    diff = torch.tensor(kernel, dtype=torch.float64) - torch.tensor(base, dtype=torch.float64)
+    return (diff.std() / diff.numel() ** 0.5).item()
+
+
+def checks(results: list[RunResult]) -> list[Check]:
+    """Every bar the runs can be held to."""
     by = {(r.cache, r.path): r for r in results}
     found = []
     for cache, limit in VS_FP32_LIMITS.items():
@@ -145,18 +191,21 @@ def checks(results: list[RunResult]) -> list[tuple[str, float, float, bool]]:
             run, base = by.get((cache, path)), by.get(("fp32", path))
             if run and base:
                 diff = _rel(run.ppl_text, base.ppl_text)
-                found.append((f"{path} {CACHE_LABELS[cache]} vs fp32 cache", diff, limit,
-                              abs(diff) <= limit))
+                found.append(Check(f"{path} {CACHE_LABELS[cache]} vs fp32 cache", diff, limit,
+                                   abs(diff) <= limit))
     for cache in ("int8k-bf16v", "int8"):
-        kernel = by.get((cache, "pagedfuse"))
-        dequant = by.get((cache, "dequant")) or (by.get((cache, "eager"))
-                                                 if cache in EAGER_IS_DEQUANT else None)
-        if kernel and dequant:
-            for which in ("prefill", "decode"):
-                diff = _rel(getattr(kernel, f"ppl_{which}"), getattr(dequant, f"ppl_{which}"))
-                found.append((f"pagedfuse {CACHE_LABELS[cache]} vs dequantize-then-attend, "
-                              f"{which}", diff, KERNEL_VS_DEQUANT_LIMIT,
-                              abs(diff) <= KERNEL_VS_DEQUANT_LIMIT))
+        baseline = (cache, "dequant") if (cache, "dequant") in by else (cache, "eager")
+        kernel, dequant = by.get((cache, "pagedfuse")), by.get(baseline)
+        if kernel is None or dequant is None or (
+                baseline[1] == "eager" and cache not in EAGER_IS_DEQUANT):
+            continue
+        for which in ("prefill", "decode"):
+            diff = _rel(getattr(kernel, f"ppl_{which}"), getattr(dequant, f"ppl_{which}"))
+            se = _paired_std_error(getattr(kernel, f"window_nll_{which}"),
+                                   getattr(dequant, f"window_nll_{which}"))
+            found.append(Check(f"pagedfuse {CACHE_LABELS[cache]} vs dequantize-then-attend, "
+                               f"{which}", diff, KERNEL_VS_DEQUANT_LIMIT,
+                               abs(diff) <= KERNEL_VS_DEQUANT_LIMIT, se))
     return found
 
 
@@ -183,7 +232,7 @@ def table(results: list[RunResult]) -> str:
 
 
 def write_record(args: argparse.Namespace, command: str, device_name: str, text_sha: str,
-                 windows: int, results: list[RunResult]) -> None:
+                 windows: int, results: list[RunResult], bars: list[Check]) -> None:
     """The JSON record of the runs so far, with the bars they can be held to."""
     record = {
         "command": command,
@@ -197,8 +246,7 @@ def write_record(args: argparse.Namespace, command: str, device_name: str, text_
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "windows": windows,
         "runs": [asdict(r) for r in results],
-        "checks": [dict(what=w, rel_diff=d, limit=lim, passed=ok)
-                   for w, d, lim, ok in checks(results)],
+        "checks": [bar._asdict() for bar in bars],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=2) + "\n")
@@ -258,22 +306,23 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = [tuple(run.split("/")) for run in args.runs]
     decode_steps = args.window - 1 - args.prefill
-    bar = _progress(len(runs) * decode_steps)
-    tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+    progress = _progress(len(runs) * decode_steps)
+    tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
     command = " ".join(shlex.quote(a) for a in ["benchmarks/bench_fidelity.py", *sys.argv[1:]])
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
         platform.processor() or platform.machine()
     text_sha = hashlib.sha256(ids[:args.tokens].numpy().tobytes()).hexdigest()
     results = []
     for cache, path in runs:
-        if bar is not None:
-            bar.set_postfix_str(f"{cache} {path}")
+        if progress is not None:
+            progress.set_postfix_str(f"{cache} {path}")
         results.append(run_one(loaded.hf_model, cache, path, args, windows, reference, tick))
         if args.json:  # after every run, so a run cut short keeps what it measured
-            write_record(args, command, device_name, text_sha, windows.shape[0], results)
+            write_record(args, command, device_name, text_sha, windows.shape[0], results,
+                         checks(results))
         gc.collect()
-    if bar is not None:
-        bar.close()
+    if progress is not None:
+        progress.close()
 
     print(f"\n### Fidelity: SmolLM2-135M-Instruct ({smollm2.GGUF_FILE}), {args.device} "
           f"({device_name}), {datetime.date.today()}\n")
@@ -284,12 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     bars = checks(results)
     print()
-    for what, diff, limit, ok in bars:
-        print(f"{'PASS' if ok else 'FAIL'}  {what}: {diff:+.3%} (limit {limit:.1%})")
+    for bar in bars:
+        se = "" if bar.std_error is None else f" +- {bar.std_error:.3%} (paired s.e.)"
+        print(f"{'PASS' if bar.passed else 'FAIL'}  {bar.what}: {bar.rel_diff:+.3%}{se} "
+              f"(limit {bar.limit:.1%})")
 
     if args.json:
         print(f"\nwrote {args.json}")
-    return 0 if all(ok for *_, ok in bars) else 1
+    return 0 if all(b.passed for b in bars) else 1
 
 
 if __name__ == "__main__":

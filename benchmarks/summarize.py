@@ -206,8 +206,9 @@ def fidelity(record: dict) -> tuple[str, str]:
             for r in record["runs"]]
     head = ["KV cache", "path", "perplexity", "prefill tokens", "decoded tokens",
             "greedy tokens as eager fp32", "sites rewritten"]
-    checks = [f"- {'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['rel_diff']:+.3%} "
-              f"(limit {c['limit']:.1%})" for c in record.get("checks", [])]
+    checks = [f"- {'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['rel_diff']:+.3%}"
+              + (f" (paired s.e. {c['std_error']:.3%})" if c.get("std_error") else "")
+              + f" (limit {c['limit']:.1%})" for c in record.get("checks", [])]
     return ran_on, table(head, rows) + ("\n\n" + "\n".join(checks) if checks else "")
 
 

@@ -49,6 +49,7 @@ def paged_attention_reference(
     compute_dtype: torch.dtype = torch.float32,
     window_left: int | None = None,
     softcap: float | None = None,
+    quantize_query: bool = True,
 ) -> torch.Tensor:
     """Paged attention as docs/design.md defines it; with ``key_scale`` it is the INT8 variant.
 
@@ -65,6 +66,8 @@ def paged_attention_reference(
 
     INT8: the query is quantized per token and head, scores are the exact integer dot
     products times q_scale * k_scale * scale; V is dequantized with ``value_scale`` if given.
+    ``quantize_query=False`` keeps the query as it is: a plain dequantize-then-attend of the
+    same caches, the baseline that separates the cache's quantization loss from the op's.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -82,9 +85,10 @@ def paged_attention_reference(
         k = _gather(key_cache, blocks, length).to(compute_dtype)  # [L, Hkv, D]
         v = _gather(value_cache, blocks, length).to(compute_dtype)
         q = query[q0:q1]
-        if key_scale is not None:
+        if key_scale is not None and quantize_query:
             q_int, q_scale = quantize_int8_reference(q)
             q = q_int.to(compute_dtype) * q_scale.to(compute_dtype).unsqueeze(-1)
+        if key_scale is not None:
             k = k * _gather(key_scale, blocks, length).to(compute_dtype).unsqueeze(-1)
         if value_scale is not None:
             v = v * _gather(value_scale, blocks, length).to(compute_dtype).unsqueeze(-1)
