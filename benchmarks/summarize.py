@@ -209,7 +209,8 @@ def fidelity(record: dict) -> tuple[str, str]:
     checks = [f"- {'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['rel_diff']:+.3%}"
               + (f" (paired s.e. {c['std_error']:.3%})" if c.get("std_error") else "")
               + f" (limit {c['limit']:.1%})" for c in record.get("checks", [])]
-    return ran_on, table(head, rows) + ("\n\n" + "\n".join(checks) if checks else "")
+    partial = f"Partial: {record['partial']}.\n\n" if "partial" in record else ""
+    return ran_on, partial + table(head, rows) + ("\n\n" + "\n".join(checks) if checks else "")
 
 
 def library_prefill(record: dict) -> tuple[str, str]:
