@@ -121,6 +121,24 @@ def test_reference_int8_matches_brute_force():
     assert rel_err(got, want) < 1e-6  # float64 math, rounded to the float32 output
 
 
+def test_reference_can_leave_the_query_unquantized():
+    """quantize_query=False: a plain dequantize-then-attend of the INT8 caches (the fidelity
+    benchmark's baseline), which is float attention over the dequantized K and V."""
+    c = contract_case(7)
+    kq, ks = quantize_int8_reference(c["key_cache"])
+    vq, vs = quantize_int8_reference(c["value_cache"])
+    dequantized = dict(c, key_cache=kq.double() * ks.double().unsqueeze(-1),
+                       value_cache=vq.double() * vs.double().unsqueeze(-1))
+    want = brute_force(**dequantized, scale=0.125, causal=True)
+    c.update(key_cache=kq, value_cache=vq)
+    got = paged_attention_reference(**c, scale=0.125, causal=True, key_scale=ks, value_scale=vs,
+                                    compute_dtype=torch.float64, quantize_query=False)
+    assert rel_err(got, want) < 1e-6
+    quantized = paged_attention_reference(**c, scale=0.125, causal=True, key_scale=ks,
+                                          value_scale=vs, compute_dtype=torch.float64)
+    assert rel_err(quantized, want) > 1e-4  # the op's own semantics do quantize it
+
+
 def test_fully_masked_rows_are_zero():
     c = contract_case(6)
     bias = torch.ones(3, 1, 3, 11, dtype=torch.bool)
