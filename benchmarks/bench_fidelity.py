@@ -14,14 +14,13 @@ runs on up to three paths: ``eager`` is the model's own plain PyTorch (gather th
 dequantize an INT8 cache, SDPA in the cache's float dtype); ``pagedfuse`` is the model compiled
 with the pagedfuse backend, every attention site rewritten to the fused op (the run fails
 otherwise); ``dequant`` is the same compiled model with the op forced to a plain
-dequantize-then-attend (the pure-torch reference with the query left unquantized, in
-float32) over exactly the query, K and V the kernel receives. So pagedfuse vs dequant is the
+dequantize-then-attend (float32 attention over the dequantized caches with the query left
+unquantized) over exactly the query, K and V the kernel receives. So pagedfuse vs dequant is the
 kernel's own loss (quantizing the query, and P for an INT8 V) apart from the cache's
 quantization loss (dequant vs fp32). Eager is not that baseline for INT8 K + bf16 V: there
 the model attends in bf16, and the bf16 SDPA's own rounding would be counted against the
 kernel. For INT8 K+V eager attends in float32 and is that baseline already (the dequant run
-is then a cross-check; on a GPU it costs minutes, the reference running one sequence at a
-time).
+is then a cross-check).
 
 Each kernel-vs-dequant line also gives the paired standard error of the difference, over
 windows (the per-window mean log-likelihood differences' standard deviation over the square
@@ -75,11 +74,39 @@ PATHS = ("eager", "pagedfuse", "dequant")
 
 
 def _dequantize_then_attend(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
-    out.copy_(paged_attention_reference(
-        call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
-        call.query_start_loc, call.scale, call.causal, call.attn_bias, call.key_scale,
-        call.value_scale, window_left=call.window_left, softcap=call.softcap,
-        quantize_query=False))
+    """The plain dequantize-then-attend: float32 attention over the dequantized caches with
+    the query as it is. The model's calls (every sequence as long, as many query rows, no
+    bias or option) go batched through SDPA, which is what makes it affordable on a GPU with
+    hundreds of windows; any other call goes through the reference, one sequence at a time."""
+    q_lens, lengths = call.query_start_loc.diff(), call.seq_lens
+    n, length = int(q_lens[0]), int(lengths[0])
+    if (call.attn_bias is not None or call.options or length < n
+            or not bool((q_lens == n).all() & (lengths == length).all())):
+        out.copy_(paged_attention_reference(
+            call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
+            call.query_start_loc, call.scale, call.causal, call.attn_bias, call.key_scale,
+            call.value_scale, window_left=call.window_left, softcap=call.softcap,
+            quantize_query=False))
+        return
+    g = call.geometry
+    blocks = call.block_table[:, :-(-length // g.block_size)].long()
+
+    def gathered(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        rows = cache[blocks].flatten(1, 2)[:, :length].float()  # [B, L, Hkv, D]
+        if scale is not None:
+            rows = rows * scale[blocks].flatten(1, 2)[:, :length].float().unsqueeze(-1)
+        return rows.transpose(1, 2)
+
+    query = call.query.float().view(g.batch, n, g.num_q_heads, g.head_dim).transpose(1, 2)
+    mask = None
+    if call.causal:  # bottom-right: query row t sits at position length - n + t
+        rows = torch.arange(n, device=out.device)[:, None] + (length - n)
+        mask = torch.arange(length, device=out.device)[None, :] <= rows
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        query, gathered(call.key_cache, call.key_scale),
+        gathered(call.value_cache, call.value_scale), attn_mask=mask, scale=call.scale,
+        enable_gqa=True)
+    out.copy_(attended.transpose(1, 2).reshape(out.shape))
 
 
 # Asked only when forced: any device's own backends, and the reference, outrank it.
