@@ -3,9 +3,13 @@
 For each geometry x cache kind x plan: the matrix instructions in the PTX (Hopper's
 warpgroup MMA is ``wgmma.mma_async``; its INT8 form ends in ``s32.s8.s8``), the SASS
 counts of HGMMA (16-bit) / IGMMA (int8) / HMMA / IMMA (the older warp-level MMAs), and
-ptxas's registers, spills and shared memory. Triton's own compiler runs against a stand-in
-driver that names the target, so this runs on any machine with Triton installed; on the
-H200 bench_prefill.py --asm reads the same from the kernels it actually ran.
+ptxas's registers, spills and shared memory, and the order of the asynchronous work in the
+key loop without masks (``loop``): whether a Q·K^T wgmma is still in flight while the softmax
+runs (``qk_wait_before_softmax``: a ``wgmma.wait_group 0`` between the loop's first wgmma
+and its first ``ex2``, i.e. no overlap) and whether the kernel is warp-specialized
+(``setmaxnreg``). Triton's own compiler runs against a stand-in driver that names the
+target, so this runs on any machine with Triton installed; on the H200 bench_prefill.py
+--asm reads the same from the kernels it actually ran.
 
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
     python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
@@ -40,6 +44,12 @@ from pagedfuse.ops.reference import quantize_int8_reference  # noqa: E402
 GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (32, 4, 64)}
 KINDS = ("bf16", "int8_k", "int8_kv")
 MMA = re.compile(r"\b(HGMMA|IGMMA|QGMMA|HMMA|IMMA)\b")
+# PTX events of a loop's schedule, in program order
+EVENTS = (("mma", re.compile(r"wgmma\.mma_async")), ("commit", re.compile(r"wgmma\.commit_group")),
+          ("wait", re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")),
+          ("ex2", re.compile(r"\bex2\.approx")), ("cp", re.compile(r"cp\.async\.c[ag]\.")),
+          ("cpwait", re.compile(r"cp\.async\.wait_group\s+(\d+)")),
+          ("bar", re.compile(r"\b(bar|barrier)\.sync")), ("mbar", re.compile(r"mbarrier\.")))
 
 
 class _TargetOnly:
@@ -94,12 +104,45 @@ def compile_plan(call, plan: pp.PrefillPlan, capability: int = 90):
         driver._active = saved
 
 
+def loop_schedule(ptx: str) -> dict:
+    """The first loop that issues wgmma (the key loop without masks; the masked loop comes
+    after it): its events in order, run-length coded ("mma x4" is four wgmma), and whether
+    the softmax waits for its Q·K^T."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*(\$L__\w+):", line))}
+    for end, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if not (m and labels.get(m.group(1), end) < end):
+            continue  # not a backward branch
+        seq = []
+        for body in lines[labels[m.group(1)]:end + 1]:
+            for name, rx in EVENTS:
+                if hit := rx.search(body):
+                    seq.append(name + (hit.group(1) if name in ("wait", "cpwait") else ""))
+        if "mma" not in seq:
+            continue
+        runs: list[list] = []
+        for e in seq:
+            if runs and runs[-1][0] == e:
+                runs[-1][1] += 1
+            else:
+                runs.append([e, 1])
+        first_mma = seq.index("mma")
+        first_ex2 = seq.index("ex2", first_mma) if "ex2" in seq[first_mma:] else len(seq)
+        return {"loop": " ".join(e if n == 1 else f"{e} x{n}" for e, n in runs),
+                "qk_wait_before_softmax": "wait0" in seq[first_mma:first_ex2]}
+    return {"loop": None, "qk_wait_before_softmax": None}
+
+
 def inspect(kernel, ptxas: bool = True) -> dict:
     """MMA instructions in PTX and SASS; ptxas -v resources (registers, spills)."""
     ptx = kernel.asm["ptx"]
     info = {
         "ptx_mma": sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*", ptx))),
         "shared_bytes": kernel.metadata.shared,
+        "setmaxnreg": len(re.findall(r"\bsetmaxnreg\.", ptx)),
+        **loop_schedule(ptx),
     }
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
