@@ -1,6 +1,7 @@
-"""CUDA host code that the Triton and the CUDA C++ decode backends share: the split-KV
-heuristics, the query quantization before an INT8 kernel, the partial-result buffers and the
-split combine (Triton kernels in triton_paged.py / triton_quantize.py).
+"""CUDA host code of the kernel backends: the split-KV heuristics (all of them), and for the
+Triton kernels the query quantization before an INT8 kernel, the partial-result buffers and
+the split combine (Triton kernels in triton_paged.py / triton_quantize.py; the CUDA C++
+decode launches its own in the same host call as its grid, see cuda_native.decode_into).
 
 Everything a launch needs comes from shapes, strides and the optional int hints, never from
 tensor values, so the path has no host synchronisation and captures in CUDA graphs.
