@@ -1096,12 +1096,11 @@ cudaError_t opt_in(Kernel kernel) {
 }
 
 // opt_in once per kernel and device (of the first 64): the attribute call costs host time
-// on every eager launch otherwise. The bit is set only after a successful opt-in, so a
-// failure is returned again on the next launch; two threads may both opt in, which is
-// harmless.
+// on every eager launch otherwise. `done` is the kernel's own set of devices opted in; a bit
+// is set only after a successful opt-in, so a failure is returned again on the next launch;
+// two threads may both opt in, which is harmless.
 template <int D, int KIND, typename Kernel>
-cudaError_t opt_in_once(Kernel kernel, int device) {
-  static std::atomic<uint64_t> done{0};
+cudaError_t opt_in_once(Kernel kernel, int device, std::atomic<uint64_t>& done) {
   const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
   if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
   const cudaError_t opted = opt_in<D, KIND>(kernel);
@@ -1115,7 +1114,8 @@ template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
 cudaError_t launch(const Args& a, const Launch& l) {
   using T = Traits<KIND, D>;
   const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, kCap, E>;
-  const cudaError_t opted = opt_in_once<D, KIND>(kernel, l.device);
+  static std::atomic<uint64_t> opted_in{0};  // this instantiation's: one per kernel
+  const cudaError_t opted = opt_in_once<D, KIND>(kernel, l.device, opted_in);
   if (opted != cudaSuccess) return opted;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -116,10 +116,10 @@ def pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def quantized_query(call: PagedCall, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_query(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The query as int8 with its per-(token, head) scales, for an INT8 K kernel (one small
-    kernel that every split shares). ``release``: see triton_quantize.quantize_int8."""
-    return quantize_int8(call.query, release=release)
+    kernel that every split shares)."""
+    return quantize_int8(call.query)
 
 
 def partials(call: PagedCall, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
