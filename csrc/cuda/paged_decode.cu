@@ -108,6 +108,22 @@
 // 256-byte size was up to 5% slower (2026-11-30; docs/cuda-decode.md).
 #define PF_L2_HINT ".L2::128B"
 
+// What a decode launch needs besides the tensors' data pointers and the stream; the fused
+// launch's record is built once per call signature (cuda_native.DecodeLaunch mirrors this
+// layout). sizes and strides: as pagedfuse_decode takes them; q_stride_h: the query's head
+// stride in elements (read by the quantize); part_o, part_lse, q8, q_scale: byte offsets of
+// the scratch in the caller's workspace. Outside the anonymous namespace: the C entry
+// points take it, and a type of internal linkage would drop them from the exports.
+struct DecodeLaunch {
+  int32_t device, kind, out_dtype, index64, pdl, head_dim, heads, quantize;
+  int64_t batch, num_kv_heads, splits, ctas;
+  int64_t sizes[8];
+  int64_t strides[15];
+  int64_t q_stride_h;
+  int64_t part_o, part_lse, q8, q_scale;
+  float scale_log2, softcap;
+};
+
 namespace {
 
 // A timeline of the decode's CTAs, in a profiling build only (-DPF_CTA_CLOCK; read by
@@ -1298,21 +1314,6 @@ cudaError_t launch_quantize(const void* x, int8_t* q, float* scale, int64_t rows
                        kQuantizeWarps * 32, false, stream, static_cast<const X*>(x), q, scale,
                        rows, heads, stride_outer, stride_inner, row_len);
 }
-
-// What a decode launch needs besides the tensors' data pointers and the stream; the fused
-// launch's record is built once per call signature (cuda_native.DecodeLaunch mirrors this
-// layout). sizes and strides: as pagedfuse_decode takes them; q_stride_h: the query's head
-// stride in elements (read by the quantize); part_o, part_lse, q8, q_scale: byte offsets of
-// the scratch in the caller's workspace.
-struct DecodeLaunch {
-  int32_t device, kind, out_dtype, index64, pdl, head_dim, heads, quantize;
-  int64_t batch, num_kv_heads, splits, ctas;
-  int64_t sizes[8];
-  int64_t strides[15];
-  int64_t q_stride_h;
-  int64_t part_o, part_lse, q8, q_scale;
-  float scale_log2, softcap;
-};
 
 // The pointers of one decode launch (q, q_scale: the kernel's query, int8 and its scales
 // with INT8 K).
