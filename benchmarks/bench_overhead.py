@@ -16,6 +16,7 @@ The lines are printed; --json DIR keeps each device's record as DIR/overhead-<de
 (benchmarks/results/ is where summarize.py reads them).
 
     python benchmarks/bench_overhead.py [--device cpu|cuda|all] [--threads 1] [--json DIR]
+        [--geometries tinyllama ...] [--backends cuda_decode ...]
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def to_call(args: dict) -> PagedCall:
 
 
 def measure_attention(device: torch.device, geo: tuple[int, int, int], kind: str,
-                      calls: int, reps: int) -> list[dict]:
-    """One row per backend that takes this decode call on ``device``."""
+                      calls: int, reps: int, backends: set[str] | None = None) -> list[dict]:
+    """One row per backend that takes this decode call on ``device`` (of ``backends``, if
+    given)."""
     args = decode_args(geo, kind, device)
     op = (OPS.paged_attention if kind == "bf16" else OPS.paged_attention_int8).default
     call = to_call(args)
@@ -114,7 +116,8 @@ def measure_attention(device: torch.device, geo: tuple[int, int, int], kind: str
             call.max_seq_len, call.max_query_len), device, calls, reps)
     rows = []
     for backend in all_backends():
-        if backend.device not in (None, device.type) or reason(backend, call):
+        if backend.device not in (None, device.type) or reason(backend, call) or (
+                backends is not None and backend.name not in backends):
             continue
         row = {"backend": backend.name, **pieces,
                "run": per_call_us(partial(backend.run, call, out, None), device, calls, reps)}
@@ -139,11 +142,13 @@ def measure_quantize(device: torch.device, geo: tuple[int, int, int], calls: int
             "op_grad_mode": per_call_us(quantize, device, calls, reps)}
 
 
-def measure(device: torch.device, calls: int, reps: int) -> list[dict]:
+def measure(device: torch.device, calls: int, reps: int, geometries: list[str],
+            backends: set[str] | None) -> list[dict]:
     rows = []
-    for gname, geo in GEOMETRIES.items():
+    for gname in geometries:
+        geo = GEOMETRIES[gname]
         found = [{"kind": kind, **row} for kind in KINDS
-                 for row in measure_attention(device, geo, kind, calls, reps)]
+                 for row in measure_attention(device, geo, kind, calls, reps, backends)]
         found.append({"kind": "quantize_int8", **measure_quantize(device, geo, calls, reps)})
         for row in found:
             row = {"device": device.type, "geometry": gname, **row}
@@ -170,6 +175,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="DIR",
                         help="write each device's record into DIR (default: print only)")
     parser.add_argument("--label", default="", help="appended to the JSON's file name")
+    parser.add_argument("--geometries", nargs="+", choices=tuple(GEOMETRIES),
+                        default=list(GEOMETRIES))
+    parser.add_argument("--backends", nargs="+", metavar="NAME",
+                        help="time only these backends (default: every one that takes the call)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
@@ -177,7 +186,8 @@ def main() -> None:
         devices.remove("cuda")
     for name in devices:
         device = torch.device(name)
-        rows = measure(device, args.calls, args.reps)
+        rows = measure(device, args.calls, args.reps, args.geometries,
+                       set(args.backends) if args.backends else None)
         stamp = datetime.datetime.now(datetime.timezone.utc)
         record = {
             "benchmark": "bench_overhead", "date": stamp.isoformat(timespec="seconds"),

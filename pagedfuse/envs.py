@@ -1,16 +1,21 @@
 """Every PAGEDFUSE_* environment variable, declared once: name, default, meaning, reader.
 
 Python code reads a switch as an attribute of this module (``envs.PAGEDFUSE_CHECKS``), which
-parses the variable's current value on each access, so a test or a benchmark can change it
-between calls. Variables read by C++ or by setup.py are declared here too, so this is the one
-list of them; setup.py loads this file by path (it imports nothing but the standard library),
-since the package cannot be imported before it is built.
+gives the variable's current value on each access, so a test or a benchmark can change it
+between calls (through os.environ, monkeypatch or ``overridden``). The eager ops read
+switches on every call, so an access is a property of the module's class (no failed
+attribute lookup) that reads os.environ's own store and parses only a value it has not seen.
+Variables read by C++ or by setup.py are declared here too, so this is the one list of them;
+setup.py loads this file by path (it imports nothing but the standard library), since the
+package cannot be imported before it is built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +50,7 @@ class EnvVar:
     parse: Callable[[str], Any] = _text
 
     def value(self) -> Any:
-        return self.parse(os.environ.get(self.name, self.default))
+        return _reader(self)()
 
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
@@ -99,11 +104,47 @@ def overridden(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = old
 
 
-def __getattr__(name: str) -> Any:
-    var = VARIABLES.get(name)
-    if var is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return var.value()
+# os.environ keeps its entries in a dict of encoded names and values, updated by every change
+# made through os.environ: one lookup there replaces os.environ.get's encoding and, for an
+# unset name, its raised and caught KeyError (together about 1 µs per read, several per call).
+_STORE: Any = getattr(os.environ, "_data", None)
+_READERS: dict[str, Callable[[], Any]] = {}
+
+
+def _reader(var: EnvVar) -> Callable[[], Any]:
+    """A function giving ``var``'s current value: the last parse while the raw value stays."""
+    found = _READERS.get(var.name)
+    if found is not None:
+        return found
+    if _STORE is None or not hasattr(os.environ, "encodekey"):  # not CPython's os.environ
+        def read() -> Any:
+            return var.parse(os.environ.get(var.name, var.default))
+    else:
+        key, unseen = os.environ.encodekey(var.name), object()
+        seen: list[Any] = [unseen, None]  # the raw value last parsed, and its parse
+
+        def read() -> Any:
+            raw = _STORE.get(key)
+            if raw is not seen[0] and (raw is None or raw != seen[0]):
+                text = var.default if raw is None else os.environ.decodevalue(raw)
+                seen[:] = [raw, var.parse(text)]
+            return seen[1]
+    _READERS[var.name] = read
+    return read
+
+
+class _Module(types.ModuleType):
+    """This module's class: one read-only property per declared switch."""
+
+
+def _property(var: EnvVar) -> property:
+    read = _reader(var)
+    return property(lambda _module: read(), doc=var.meaning)
+
+
+for _var in VARIABLES.values():
+    setattr(_Module, _var.name, _property(_var))
+sys.modules[__name__].__class__ = _Module
 
 
 def __dir__() -> list[str]:

@@ -113,8 +113,11 @@ def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
     """Checked before the library is asked, so on any machine."""
     call = _call(hq=num_kv_heads, hkv=num_kv_heads)
     query = call.query
-    with pytest.raises(ValueError, match=f"heads={heads}: KV heads per CTA must be one of"):
-        cuda_native.decode_into(call, query, query, None, 1.0, 1, heads, query, query)
+    match = f"heads={heads}: KV heads per CTA must be one of"
+    with pytest.raises(ValueError, match=match):
+        cuda_native.decode_into(call, query, 1, heads)
+    with pytest.raises(ValueError, match=match):
+        cuda_native.kernel_into(call, query, query, None, 1, heads, query, query)
 
 
 @pytest.mark.parametrize(("batch", "counters", "ctas", "error"), [
@@ -125,11 +128,14 @@ def test_decode_into_names_a_bad_heads_per_cta(heads, num_kv_heads):
     (3, 2, 132, r"counters must hold one count per sequence and head group \(6;"),
     (3, 10**5, 131, "ctas=131 must be a multiple of the 2 head groups"),
 ])
-def test_decode_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas, error):
+def test_kernel_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ctas, error):
     """Checked before the library is asked, so on any machine."""
     call = _call(batch=batch)
     query = call.query
     counts = None if counters is None else torch.zeros(counters, dtype=torch.int32)
     with pytest.raises(ValueError, match=error):
-        cuda_native.decode_into(call, query, query, None, 1.0, 0, 1, query, query,
+        cuda_native.kernel_into(call, query, query, None, 0, 1, query, query,
                                 ctas=ctas, counters=counts)
+    if not error.startswith("counters"):  # the fused launch takes its counts itself
+        with pytest.raises(ValueError, match=error):
+            cuda_native.decode_into(call, query, 0, 1, ctas=ctas)

@@ -96,6 +96,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -106,6 +107,22 @@
 // at B=64 got 3-4% faster and INT8 K 1-2%; rows of 128 bytes and more are unchanged, and a
 // 256-byte size was up to 5% slower (2026-11-30; docs/cuda-decode.md).
 #define PF_L2_HINT ".L2::128B"
+
+// What a decode launch needs besides the tensors' data pointers and the stream; the fused
+// launch's record is built once per call signature (cuda_native.DecodeLaunch mirrors this
+// layout). sizes and strides: as pagedfuse_decode takes them; q_stride_h: the query's head
+// stride in elements (read by the quantize); part_o, part_lse, q8, q_scale: byte offsets of
+// the scratch in the caller's workspace. Outside the anonymous namespace: the C entry
+// points take it, and a type of internal linkage would drop them from the exports.
+struct DecodeLaunch {
+  int32_t device, kind, out_dtype, index64, pdl, head_dim, heads, quantize;
+  int64_t batch, num_kv_heads, splits, ctas;
+  int64_t sizes[8];
+  int64_t strides[15];
+  int64_t q_stride_h;
+  int64_t part_o, part_lse, q8, q_scale;
+  float scale_log2, softcap;
+};
 
 namespace {
 
@@ -1078,11 +1095,12 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
 }
 
 // How one call launches: the grid's splits (or, balanced, its CTAs) and KV heads per CTA,
-// as a programmatic dependent launch or not, on which stream.
+// as a programmatic dependent launch or not, on which stream of which device.
 struct Launch {
   int splits, ctas, heads;
   bool pdl;
   cudaStream_t stream;
+  int device;
 };
 
 // A kernel of the (D, KIND) variant with its shared memory opted in beyond the 48 KB
@@ -1093,13 +1111,27 @@ cudaError_t opt_in(Kernel kernel) {
                               static_cast<int>(smem_bytes<D, KIND>()));
 }
 
+// opt_in once per kernel and device (of the first 64): the attribute call costs host time
+// on every eager launch otherwise. `done` is the kernel's own set of devices opted in; a bit
+// is set only after a successful opt-in, so a failure is returned again on the next launch;
+// two threads may both opt in, which is harmless.
+template <int D, int KIND, typename Kernel>
+cudaError_t opt_in_once(Kernel kernel, int device, std::atomic<uint64_t>& done) {
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  const cudaError_t opted = opt_in<D, KIND>(kernel);
+  if (opted == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
+  return opted;
+}
+
 // One variant: launch it on a grid of (groups of H KV heads, sequences, splits), or of
 // l.ctas CTAs (the balanced grid).
 template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
 cudaError_t launch(const Args& a, const Launch& l) {
   using T = Traits<KIND, D>;
   const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, kCap, E>;
-  const cudaError_t opted = opt_in<D, KIND>(kernel);
+  static std::atomic<uint64_t> opted_in{0};  // this instantiation's: one per kernel
+  const cudaError_t opted = opt_in_once<D, KIND>(kernel, l.device, opted_in);
   if (opted != cudaSuccess) return opted;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -1181,6 +1213,153 @@ cudaError_t dispatch(const Args& a, int kind, int head_dim, const Launch& l, int
   }
 }
 
+// ---- The fused launch's other grids: quantize_int8 of the query before an INT8 K decode,
+// and the split combine after it. They replace two Triton launches, whose host cost (about
+// 40 µs each on the H200 box) was most of an eager decode call's.
+
+constexpr int kQuantizeWarps = 4;  // rows per CTA of the quantize grid: one warp each
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// quantize_int8, bit for bit as pagedfuse/ops/reference.quantize_int8_reference: per row,
+// scale = max|x| / 127 and q = x / scale rounded to nearest, ties to even, both IEEE
+// divisions (a NaN in the row makes its scale NaN, an Inf makes it Inf; a quotient that is
+// NaN is stored as 0; a zero scale divides by 1). Row r of `rows` sits at x + (r / heads) *
+// stride_outer + (r % heads) * stride_inner (elements), its row_len elements contiguous;
+// q [rows, row_len] and scale [rows] are contiguous. Each CTA lets a programmatic dependent
+// launch after this grid start once its rows are written (the decode waits for the whole
+// grid before reading q).
+template <typename X>
+__global__ void __launch_bounds__(kQuantizeWarps * 32)
+    quantize_rows_kernel(const X* x, int8_t* q, float* scale, int64_t rows, int64_t heads,
+                         int64_t stride_outer, int64_t stride_inner, int64_t row_len) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kQuantizeWarps + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (row < rows) {
+    const X* src = x + row / heads * stride_outer + row % heads * stride_inner;
+    float amax = 0.f;
+    bool nan = false;
+    for (int64_t i = lane; i < row_len; i += 32) {
+      const float v = to_float(src[i]);
+      nan |= v != v;
+      amax = fmaxf(amax, fabsf(v));  // fmaxf drops a NaN: `nan` carries it
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = __any_sync(0xffffffffu, nan) ? NAN : __fdiv_rn(amax, 127.f);
+    const float safe = s > 0.f ? s : 1.f;
+    int8_t* dst = q + row * row_len;
+    for (int64_t i = lane; i < row_len; i += 32) {
+      const float r = rintf(__fdiv_rn(to_float(src[i]), safe));
+      dst[i] = static_cast<int8_t>(r != r ? 0.f : fminf(fmaxf(r, -127.f), 127.f));
+    }
+    if (lane == 0) scale[row] = s;
+  }
+  grid_release();
+}
+
+// The split combine, as the Triton combine_splits_kernel (triton_paged.py) computes it: row
+// `row` (a token's head) of out from its `splits` partial rows and log2-domain log-sum-exps
+// (part_o [splits, rows, D], part_lse [splits, rows]). A split enters with weight 0 where
+// its lse is -inf (its partial row counts, so a NaN there shows), and one NaN lse makes the
+// row NaN. Launched after the decode grid, as a programmatic dependent launch where that
+// one was: it waits for the grid before reading.
+template <typename E>
+__global__ void combine_kernel(const float* part_o, const float* part_lse, E* out,
+                               int64_t rows, int splits, int head_dim) {
+  grid_wait();
+  const int64_t row = blockIdx.x;
+  float m = -INFINITY;
+  bool bad = false;
+  for (int s = 0; s < splits; ++s) {
+    const float lse = part_lse[s * rows + row];
+    bad |= lse != lse;
+    m = fmaxf(m, lse);  // a NaN lse is left out of the max
+  }
+  const float shift = m == -INFINITY ? 0.f : m;
+  for (int d = static_cast<int>(threadIdx.x); d < head_dim; d += static_cast<int>(blockDim.x)) {
+    float total = 0.f, acc = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = exp2f(part_lse[s * rows + row] - shift);
+      total += w;
+      acc += w * part_o[(s * rows + row) * head_dim + d];
+    }
+    out[row * head_dim + d] = to_out<E>(bad ? NAN : acc / (total > 0.f ? total : 1.f));
+  }
+}
+
+// A grid of `blocks` CTAs of `threads`, as a programmatic dependent launch with `pdl`.
+template <typename Kernel, typename... Args>
+cudaError_t launch_simple(Kernel kernel, unsigned blocks, unsigned threads, bool pdl,
+                          cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks), config.blockDim = dim3(threads), config.stream = stream;
+  config.attrs = &attr, config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+template <typename X>
+cudaError_t launch_quantize(const void* x, int8_t* q, float* scale, int64_t rows,
+                            int64_t heads, int64_t stride_outer, int64_t stride_inner,
+                            int64_t row_len, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = (rows + kQuantizeWarps - 1) / kQuantizeWarps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  return launch_simple(quantize_rows_kernel<X>, static_cast<unsigned>(blocks),
+                       kQuantizeWarps * 32, false, stream, static_cast<const X*>(x), q, scale,
+                       rows, heads, stride_outer, stride_inner, row_len);
+}
+
+// The pointers of one decode launch (q, q_scale: the kernel's query, int8 and its scales
+// with INT8 K).
+struct Tensors {
+  const void* q;
+  const float* q_scale;
+  const void *k, *v;
+  const float *k_scale, *v_scale;
+  const void *block_table, *seq_lens, *query_start;
+  void* out;
+  float *part_o, *part_lse;
+  int* counters;
+};
+
+// The decode grid of `d` on `stream` (the device is current).
+cudaError_t launch_decode(const DecodeLaunch& d, const Tensors& t, cudaStream_t stream) {
+  Args a{};
+  a.q = t.q, a.q_scale = t.q_scale, a.k_scale = t.k_scale, a.v_scale = t.v_scale;
+  a.k = static_cast<const int8_t*>(t.k), a.v = static_cast<const int8_t*>(t.v);
+  a.block_table = t.block_table, a.seq_lens = t.seq_lens, a.query_start = t.query_start;
+  a.out = t.out, a.part_o = t.part_o, a.part_lse = t.part_lse, a.scale_log2 = d.scale_log2;
+  if (d.softcap > 0.f) a.cap = d.softcap * kLog2e, a.cap_k = 2.f / d.softcap;  // else no cap
+  const int64_t* sizes = d.sizes;
+  a.num_tokens = sizes[0], a.num_q_heads = sizes[1];
+  a.group = static_cast<int>(sizes[2]), a.num_blocks = static_cast<int>(sizes[3]);
+  a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
+  a.page_shift = static_cast<int>(sizes[6]), a.window = sizes[7];
+  a.index64 = d.index64, a.query_pending = d.pdl == 2;
+  a.batch = static_cast<int>(d.batch), a.num_kv_heads = static_cast<int>(d.num_kv_heads);
+  a.counters = t.counters;
+  // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
+  // 32 bits (K/V in 16-byte units, scales and the table in elements).
+  const auto u32 = [](int64_t x) { return static_cast<uint32_t>(x); };
+  const int64_t* strides = d.strides;
+  a.q_stride_t = strides[0];
+  a.k_sb = u32(strides[1] / 16), a.k_st = u32(strides[2] / 16), a.k_sh = strides[3];
+  a.v_sb = u32(strides[4] / 16), a.v_st = u32(strides[5] / 16), a.v_sh = strides[6];
+  a.ks_sb = u32(strides[7]), a.ks_st = u32(strides[8]), a.ks_sh = strides[9];
+  a.vs_sb = u32(strides[10]), a.vs_st = u32(strides[11]), a.vs_sh = strides[12];
+  a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
+  const Launch l{static_cast<int>(d.splits), static_cast<int>(d.ctas), d.heads, d.pdl > 0,
+                 stream, d.device};
+  return d.out_dtype == 0 ? dispatch<__nv_bfloat16>(a, d.kind, d.head_dim, l, nullptr)
+                          : dispatch<__half>(a, d.kind, d.head_dim, l, nullptr);
+}
+
 // Makes `device` current for this library's runtime and restores the previous one on exit,
 // so a call for a tensor on another GPU leaves the caller's current device as it was.
 class DeviceGuard {
@@ -1204,58 +1383,105 @@ class DeviceGuard {
 
 extern "C" {
 
-// Launches on `stream` (the caller's current torch stream); returns a cudaError_t code.
-// kind: a Kind; out_dtype: 0 bfloat16, 1 float16 (also the query's, and a 16-bit cache's);
-// index64: bits 0, 1, 2 set where block_table, seq_lens, query_start_loc are int64. pdl
-// (sm_90 only): 0 a plain launch; 1 a programmatic dependent launch that waits for the grid
-// before it ahead of its first read; 2 the same after a grid that writes only q and q_scale
-// (quantize_int8, launched plainly), so everything else is read before the wait. softcap:
-// scores become softcap * tanh(score / softcap) (0: no cap). sizes: num_tokens,
-// num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1 unless a power of two),
-// window (keys a query reaches back, itself included, at most max_blocks * page; 0:
-// unlimited); strides: the query's token stride (elements), then (block, token, head)
-// of K and of V in bytes, of K scales and V scales in elements, then the table's (row,
-// column). heads: KV heads per CTA, 1, 2 or 4, dividing num_kv_heads (the op's choice:
-// cuda_native.heads_per_cta). ctas > 0: the balanced grid of that many CTAs, a multiple of
-// num_kv_heads / heads (splits unused; batch at most kBalancedMaxBatch; part_o/part_lse hold 2 * ctas pieces of heads * group
-// rows; counters: batch * num_kv_heads / heads ints, zero, and zero again after the grid).
-// The caller guarantees what cuda_native.decode_unsupported checks (alignment, 32-bit
-// per-token offsets) and num_kv_heads * batch * splits < 2^31.
-int pagedfuse_decode(int device, void* stream, int kind, int out_dtype, int index64, int pdl,
-                     int head_dim, int heads, int64_t batch, int64_t num_kv_heads,
-                     int64_t splits, int64_t ctas, int* counters, const void* q, const float* q_scale, const void* k,
-                     const void* v, const float* k_scale, const float* v_scale,
+// The decode grid of `d` alone on `stream` (the caller's current torch stream), with the
+// kernel's query q (int8 from quantize_int8 with INT8 K, its scales in q_scale, else the
+// 16-bit query; token stride d->strides[0]) and the partial buffers given; d->quantize is
+// not read. Returns a cudaError_t code.
+// DecodeLaunch's fields: kind: a Kind; out_dtype: 0 bfloat16, 1 float16 (also the query's,
+// and a 16-bit cache's); index64: bits 0, 1, 2 set where block_table, seq_lens,
+// query_start_loc are int64. pdl (sm_90 only): 0 a plain launch; 1 a programmatic dependent
+// launch that waits for the grid before it ahead of its first read; 2 the same after a grid
+// that writes only q and q_scale (quantize_int8, launched plainly), so everything else is
+// read before the wait. softcap: scores become softcap * tanh(score / softcap) (0: no cap).
+// sizes: num_tokens, num_q_heads, group, num_blocks, max_blocks, page, page_shift (-1
+// unless a power of two), window (keys a query reaches back, itself included, at most
+// max_blocks * page; 0: unlimited); strides: the query's token stride (elements), then
+// (block, token, head) of K and of V in bytes, of K scales and V scales in elements, then
+// the table's (row, column). heads: KV heads per CTA, 1, 2 or 4, dividing num_kv_heads (the
+// op's choice: cuda_native.heads_per_cta). ctas > 0: the balanced grid of that many CTAs, a
+// multiple of num_kv_heads / heads (splits unused; batch at most kBalancedMaxBatch;
+// part_o/part_lse hold 2 * ctas pieces of heads * group rows; counters: batch *
+// num_kv_heads / heads ints, zero, and zero again after the grid). The caller guarantees
+// what cuda_native.decode_unsupported checks (alignment, 32-bit per-token offsets) and
+// num_kv_heads * batch * splits < 2^31.
+int pagedfuse_decode(const DecodeLaunch* d, void* stream, const void* q, const float* q_scale,
+                     const void* k, const void* v, const float* k_scale, const float* v_scale,
                      const void* block_table, const void* seq_lens, const void* query_start,
-                     void* out, float* part_o, float* part_lse, float scale_log2,
-                     float softcap, const int64_t* sizes, const int64_t* strides) {
+                     void* out, float* part_o, float* part_lse, int* counters) {
+  const DeviceGuard guard(d->device);
+  if (guard.status() != cudaSuccess) return guard.status();
+  const Tensors t{q,        q_scale,     k,   v,      k_scale,  v_scale, block_table,
+                  seq_lens, query_start, out, part_o, part_lse, counters};
+  return launch_decode(*d, t, static_cast<cudaStream_t>(stream));
+}
+
+// One eager decode call in one host call, on `stream`: with d->quantize (INT8 K) the query
+// quantized into the workspace (a plain launch), the decode grid (d->pdl: 0 plain, 1 a
+// programmatic dependent launch that waits first, 2 one after the quantize that reads all
+// but the query first), then with d->splits > 1 (and no balanced grid) the split combine
+// into `out`, as a programmatic dependent launch where d->pdl is set. The scratch lives at
+// d's byte offsets in `workspace` (16-byte aligned); counters: the balanced grid's, else
+// unused. query: [T, Hq, D] of the out dtype, with token stride d->strides[0] (or, with
+// quantize, the query's own token stride there and head stride d->q_stride_h; the decode
+// then reads the contiguous int8 copy). Returns a cudaError_t code.
+int pagedfuse_decode_fused(const DecodeLaunch* d, void* stream, const void* query,
+                           const void* k, const void* v, const float* k_scale,
+                           const float* v_scale, const void* block_table, const void* seq_lens,
+                           const void* query_start, void* out, void* workspace,
+                           int* counters) {
+  const DeviceGuard guard(d->device);
+  if (guard.status() != cudaSuccess) return guard.status();
+  const auto s = static_cast<cudaStream_t>(stream);
+  char* ws = static_cast<char*>(workspace);
+  const auto part_o = reinterpret_cast<float*>(ws + d->part_o);
+  const auto part_lse = reinterpret_cast<float*>(ws + d->part_lse);
+  const int64_t rows = d->sizes[0] * d->sizes[1];  // query rows: tokens x query heads
+  DecodeLaunch dl = *d;
+  Tensors t{query,    nullptr,     k,   v,      k_scale,  v_scale, block_table,
+            seq_lens, query_start, out, part_o, part_lse, counters};
+  if (d->quantize) {
+    const auto q8 = reinterpret_cast<int8_t*>(ws + d->q8);
+    const auto q_scale = reinterpret_cast<float*>(ws + d->q_scale);
+    const cudaError_t quantized =
+        d->out_dtype == 0
+            ? launch_quantize<__nv_bfloat16>(query, q8, q_scale, rows, d->sizes[1],
+                                             d->strides[0], d->q_stride_h, d->head_dim, s)
+            : launch_quantize<__half>(query, q8, q_scale, rows, d->sizes[1], d->strides[0],
+                                      d->q_stride_h, d->head_dim, s);
+    if (quantized != cudaSuccess) return quantized;
+    t.q = q8, t.q_scale = q_scale;
+    dl.strides[0] = d->sizes[1] * d->head_dim;  // the int8 copy's token stride
+  }
+  if (d->splits == 1 && d->ctas == 0) t.part_o = t.part_lse = nullptr;  // unused
+  const cudaError_t decoded = launch_decode(dl, t, s);
+  if (decoded != cudaSuccess || d->splits <= 1 || d->ctas > 0) return decoded;
+  if (rows > 0x7fffffff || d->splits > 0x7fffffff) return cudaErrorInvalidValue;
+  const auto blocks = static_cast<unsigned>(rows);
+  const int splits = static_cast<int>(d->splits);
+  return d->out_dtype == 0
+             ? launch_simple(combine_kernel<__nv_bfloat16>, blocks, d->head_dim, d->pdl > 0, s,
+                             static_cast<const float*>(part_o),
+                             static_cast<const float*>(part_lse),
+                             static_cast<__nv_bfloat16*>(out), rows, splits, d->head_dim)
+             : launch_simple(combine_kernel<__half>, blocks, d->head_dim, d->pdl > 0, s,
+                             static_cast<const float*>(part_o),
+                             static_cast<const float*>(part_lse), static_cast<__half*>(out),
+                             rows, splits, d->head_dim);
+}
+
+// quantize_int8 of the contiguous [rows, row_len] x (dtype 0 bfloat16, 1 float16, 2 float32)
+// into the contiguous q and scale, on `stream`; returns a cudaError_t code.
+int pagedfuse_quantize(int device, void* stream, int dtype, const void* x, int8_t* q,
+                       float* scale, int64_t rows, int64_t row_len) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
-  Args a{};
-  a.q = q, a.q_scale = q_scale, a.k_scale = k_scale, a.v_scale = v_scale;
-  a.k = static_cast<const int8_t*>(k), a.v = static_cast<const int8_t*>(v);
-  a.block_table = block_table, a.seq_lens = seq_lens, a.query_start = query_start;
-  a.out = out, a.part_o = part_o, a.part_lse = part_lse, a.scale_log2 = scale_log2;
-  if (softcap > 0.f) a.cap = softcap * kLog2e, a.cap_k = 2.f / softcap;  // else 0: no cap
-  a.num_tokens = sizes[0], a.num_q_heads = sizes[1];
-  a.group = static_cast<int>(sizes[2]), a.num_blocks = static_cast<int>(sizes[3]);
-  a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
-  a.page_shift = static_cast<int>(sizes[6]), a.window = sizes[7];
-  a.index64 = index64, a.query_pending = pdl == 2;
-  a.batch = static_cast<int>(batch), a.num_kv_heads = static_cast<int>(num_kv_heads);
-  a.counters = counters;
-  // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
-  // 32 bits (K/V in 16-byte units, scales and the table in elements).
-  const auto u32 = [](int64_t x) { return static_cast<uint32_t>(x); };
-  a.q_stride_t = strides[0];
-  a.k_sb = u32(strides[1] / 16), a.k_st = u32(strides[2] / 16), a.k_sh = strides[3];
-  a.v_sb = u32(strides[4] / 16), a.v_st = u32(strides[5] / 16), a.v_sh = strides[6];
-  a.ks_sb = u32(strides[7]), a.ks_st = u32(strides[8]), a.ks_sh = strides[9];
-  a.vs_sb = u32(strides[10]), a.vs_st = u32(strides[11]), a.vs_sh = strides[12];
-  a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
-  const Launch l{static_cast<int>(splits), static_cast<int>(ctas), heads, pdl > 0,
-                 static_cast<cudaStream_t>(stream)};
-  return out_dtype == 0 ? dispatch<__nv_bfloat16>(a, kind, head_dim, l, nullptr)
-                        : dispatch<__half>(a, kind, head_dim, l, nullptr);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case 0: return launch_quantize<__nv_bfloat16>(x, q, scale, rows, 1, row_len, 0, row_len, s);
+    case 1: return launch_quantize<__half>(x, q, scale, rows, 1, row_len, 0, row_len, s);
+    case 2: return launch_quantize<float>(x, q, scale, rows, 1, row_len, 0, row_len, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 // The (kind, head_dim) variant on `device`: CTAs per multiprocessor, warps per CTA, tokens

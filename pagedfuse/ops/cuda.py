@@ -1,6 +1,7 @@
-"""CUDA host code that the Triton and the CUDA C++ decode backends share: the split-KV
-heuristics, the query quantization before an INT8 kernel, the partial-result buffers and the
-split combine (Triton kernels in triton_paged.py / triton_quantize.py).
+"""CUDA host code of the kernel backends: the split-KV heuristics (all of them), and for the
+Triton kernels the query quantization before an INT8 kernel, the partial-result buffers and
+the split combine (Triton kernels in triton_paged.py / triton_quantize.py; the CUDA C++
+decode launches its own in the same host call as its grid, see cuda_native.decode_into).
 
 Everything a launch needs comes from shapes, strides and the optional int hints, never from
 tensor values, so the path has no host synchronisation and captures in CUDA graphs.
@@ -115,10 +116,10 @@ def pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def quantized_query(call: PagedCall, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_query(call: PagedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The query as int8 with its per-(token, head) scales, for an INT8 K kernel (one small
-    kernel that every split shares). ``release``: see triton_quantize.quantize_int8."""
-    return quantize_int8(call.query, release=release)
+    kernel that every split shares)."""
+    return quantize_int8(call.query)
 
 
 def partials(call: PagedCall, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

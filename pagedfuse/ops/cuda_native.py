@@ -35,17 +35,33 @@ OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
 # quantize_int8's grid (which releases it early), reading all but the query before waiting.
 PDL_OFF, PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE = 0, 1, 2
 
+LOG2E = math.log2(math.e)  # the kernel's softmax runs in base 2
+
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_DECODE_ARGTYPES = [
-    # device, stream, kind, out_dtype, index64, pdl
-    ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-    ctypes.c_int, ctypes.c_int,  # head_dim, KV heads per CTA
-    _I64, _I64, _I64, _I64, _P,  # batch, KV heads, splits, balanced CTAs, counters
-    _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,  # tensors
-    ctypes.c_float, ctypes.c_float,  # scale * log2(e), softcap (0: none)
-    ctypes.POINTER(_I64), ctypes.POINTER(_I64),  # sizes, strides
-]
+
+
+class DecodeLaunch(ctypes.Structure):
+    """csrc/cuda/paged_decode.cu's DecodeLaunch (its comment at pagedfuse_decode says what
+    each field holds): everything a launch needs but data pointers and the stream, built
+    once per call signature so that a launch passes one pointer for it."""
+
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in ("device", "kind", "out_dtype", "index64", "pdl",
+                                              "head_dim", "heads", "quantize")),
+        *((name, _I64) for name in ("batch", "num_kv_heads", "splits", "ctas")),
+        ("sizes", _I64 * 8), ("strides", _I64 * 15), ("q_stride_h", _I64),
+        *((name, _I64) for name in ("part_o", "part_lse", "q8", "q_scale")),
+        ("scale_log2", ctypes.c_float), ("softcap", ctypes.c_float),
+    ]
+
+
+# record, stream, q, q_scale, k, v, k_scale, v_scale, block_table, seq_lens, query_start, out,
+# part_o, part_lse, counters
+_DECODE_ARGTYPES = [_P] * 15
+# record, stream, query, k, v, k_scale, v_scale, block_table, seq_lens, query_start, out,
+# workspace, counters
+_FUSED_ARGTYPES = [_P] * 13
 
 
 def _index(device: torch.device) -> int:
@@ -61,6 +77,10 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.pagedfuse_decode.argtypes = _DECODE_ARGTYPES
     lib.pagedfuse_decode.restype = ctypes.c_int
+    lib.pagedfuse_decode_fused.argtypes = _FUSED_ARGTYPES
+    lib.pagedfuse_decode_fused.restype = ctypes.c_int
+    lib.pagedfuse_quantize.argtypes = [ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _I64, _I64]
+    lib.pagedfuse_quantize.restype = ctypes.c_int
     lib.pagedfuse_decode_probe.argtypes = [ctypes.c_int]
     lib.pagedfuse_decode_variant.argtypes = [ctypes.c_int] * 3 + [ctypes.POINTER(ctypes.c_int)]
     lib.pagedfuse_cuda_error_string.argtypes = [ctypes.c_int]
@@ -211,98 +231,190 @@ def aligned_rows(q: torch.Tensor) -> bool:
             and q.stride(0) * size % ALIGN == 0)
 
 
-class _Constants(NamedTuple):
-    """The launch arguments that depend only on a call's signature (its Geometry), the
-    query's row stride and the window: built once per signature, since building the ctypes
-    arrays cost more than the rest of the launch."""
-
-    kind: int
-    out_dtype: int
-    index64: int
-    sizes: ctypes.Array
-    strides: ctypes.Array
+# Where a launch's scratch lives in its workspace: sections start at ALIGN-byte offsets.
+def _sections(nbytes: list[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive sections of these sizes, and the bytes of all of them."""
+    offsets, end = [], 0
+    for size in nbytes:
+        offsets.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    return offsets, end
 
 
-_CONSTANTS: dict[tuple, _Constants] = {}
-_CONSTANTS_LIMIT = 4096
+class _Record(NamedTuple):
+    """A call signature's launch: the C record (``launch``, kept alive here) and its
+    address, the workspace bytes its scratch takes (0: none), whether the query is copied
+    first (rows the kernel cannot read in place: aligned_rows), the device index, and the
+    balanced grid's (sequence, head group) counts (0: the split grid)."""
+
+    launch: DecodeLaunch
+    address: int
+    workspace: int
+    copy_query: bool
+    index: int
+    counts: int
 
 
-def _launch_constants(call: PagedCall, q: torch.Tensor) -> _Constants:
-    key = (call.geometry, q.stride(0), call.window_left)
-    found = _CONSTANTS.get(key)
+_RECORDS: dict[tuple, _Record] = {}
+_RECORD_LIMIT = 4096
+
+
+def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
+            q_stride: int | None = None) -> _Record:
+    """The launch record of ``call`` (see decode_into), cached per call signature (the
+    Geometry stands for it: shapes, strides, dtypes, devices, scale, window and softcap) and
+    launch choice. ``q_stride``: the token stride of a query the caller quantized or copied
+    itself (kernel_into); None: decode_into's fused launch."""
+    key = (call.geometry, splits, heads, pdl, ctas, q_stride)
+    found = _RECORDS.get(key)
     if found is not None:
         return found
     g = call.geometry
-    key_cache, value_cache = call.key_cache, call.value_cache
-    key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
-    page = g.block_size
-    shift = int(math.log2(page)) if page & (page - 1) == 0 else -1
-    window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
-    sizes = (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
-                       shift, window)
-    no_scale = (0, 0, 0)
-    strides = (_I64 * 15)(
-        q.stride(0), *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
-        *(s * value_cache.element_size() for s in value_cache.stride()[:3]),
-        *(key_scale.stride() if key_scale is not None else no_scale),
-        *(value_scale.stride() if value_scale is not None else no_scale),
-        *block_table.stride())
-    found = _Constants(
-        KINDS.index(kind_of(key_cache, value_cache)),
-        0 if call.query.dtype == torch.bfloat16 else 1,
-        sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
-            if t.dtype == torch.int64),
-        sizes, strides)
-    if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
-        _CONSTANTS.clear()
-    _CONSTANTS[key] = found
-    return found
-
-
-def decode_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
-                q_scale: torch.Tensor | None, scale_log2: float, splits: int, heads: int,
-                part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
-                ctas: int = 0, counters: torch.Tensor | None = None) -> None:
-    """Launch the decode of ``call``: with an INT8 key cache ``q``/``q_scale`` come from
-    quantize_int8, else ``q`` is the query itself or an aligned copy (aligned_rows);
-    ``scale_log2``: the softmax scale times log2(e); ``out`` contiguous; with ``splits`` > 1
-    it writes ``part_o``/``part_lse`` for the combine kernel. ``heads``: KV heads per CTA,
-    one of HEADS_PER_CTA dividing the KV heads (heads_per_cta). ``pdl``: one of PDL_OFF,
-    PDL_WAIT_FIRST, PDL_AFTER_QUANTIZE (sm_90 only). ``ctas`` > 0: the balanced grid of
-    that many CTAs instead (cuda_decode.balanced_ctas; ``splits`` unused), which merges its
-    own pieces: ``part_o``/``part_lse`` hold 2 * ctas pieces of heads * group rows, and
-    ``counters`` comes from balanced_counters. The call's window_left and softcap go to the
-    kernel as they are, a window longer than the table's capacity clamped to it (it then
-    hides no key either)."""
-    g = call.geometry
-    key_cache, value_cache = call.key_cache, call.value_cache
-    key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
     num_kv_heads, batch = g.num_kv_heads, g.batch
     if heads not in HEADS_PER_CTA or num_kv_heads % heads:
         raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
                          f"and divide the {num_kv_heads} KV heads")
+    counts = 0
     if ctas:
         groups = num_kv_heads // heads
         if batch > BALANCED_MAX_BATCH:
             raise ValueError(f"block_table has {batch} sequences: the balanced grid takes at "
                              f"most {BALANCED_MAX_BATCH}")
-        if counters is None or counters.numel() < batch * groups:
-            raise ValueError(f"counters must hold one count per sequence and head group "
-                             f"({batch * groups}; balanced_counters)")
         if ctas % groups:
             raise ValueError(f"ctas={ctas} must be a multiple of the {groups} head groups")
-    constants = _launch_constants(call, q)
-    # Pointer slots the kind does not read get any tensor's.
-    tensors = (q, q_scale, key_cache, value_cache, key_scale, value_scale, block_table,
-               call.seq_lens, call.query_start_loc, out, part_o, part_lse)
-    lib = library()
-    index = _index(out.device)
-    err = lib.pagedfuse_decode(
-        index, torch._C._cuda_getCurrentRawStream(index), constants.kind, constants.out_dtype,
-        constants.index64, pdl, g.head_dim, heads,
-        batch, num_kv_heads, splits, ctas, counters.data_ptr() if ctas else None,
-        *((t if t is not None else out).data_ptr() for t in tensors),
-        scale_log2, call.softcap or 0.0, constants.sizes, constants.strides)
+        counts = batch * groups
+    query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
+    key_scale, value_scale, block_table = call.key_scale, call.value_scale, call.block_table
+    rows = g.num_tokens * g.num_q_heads
+    quantize = q_stride is None and call.int8_k
+    copy_query = q_stride is None and not quantize and not aligned_rows(query)
+    if q_stride is None:
+        q_stride = g.num_q_heads * g.head_dim if copy_query else query.stride(0)
+    parts = 2 * ctas * heads * g.group if ctas else splits * rows if splits > 1 else 0
+    fused = [parts * g.head_dim * 4, parts * 4, rows * g.head_dim if quantize else 0,
+             rows * 4 if quantize else 0]
+    (part_o, part_lse, q8, q_scale), nbytes = _sections(fused)
+    page = g.block_size
+    window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
+    no_scale = (0, 0, 0)
+    launch = DecodeLaunch(
+        _index(query.device), KINDS.index(kind_of(key_cache, value_cache)),
+        0 if query.dtype == torch.bfloat16 else 1,
+        sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
+            if t.dtype == torch.int64),
+        pdl, g.head_dim, heads, int(quantize), batch, num_kv_heads, splits, ctas,
+        (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
+                   int(math.log2(page)) if page & (page - 1) == 0 else -1, window),
+        (_I64 * 15)(
+            q_stride, *(s * key_cache.element_size() for s in key_cache.stride()[:3]),
+            *(s * value_cache.element_size() for s in value_cache.stride()[:3]),
+            *(key_scale.stride() if key_scale is not None else no_scale),
+            *(value_scale.stride() if value_scale is not None else no_scale),
+            *block_table.stride()),
+        query.stride(1), part_o, part_lse, q8, q_scale, call.scale * LOG2E, call.softcap or 0.0)
+    found = _Record(launch, ctypes.addressof(launch), nbytes, copy_query, launch.device, counts)
+    if len(_RECORDS) >= _RECORD_LIMIT:
+        _RECORDS.clear()
+    _RECORDS[key] = found
+    return found
+
+
+# The fused launch's scratch per (device, stream), grown as needed: launches on one stream
+# run in order, so one buffer serves them all, and a replaced buffer goes back to the
+# caching allocator, which gives it again only to work ordered after them on that stream.
+# A launch captured in a CUDA graph takes fresh memory of the graph's own pool instead, which
+# lives as long as the graph and no eager call or other graph shares.
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _workspace(index: int, stream: int, nbytes: int) -> torch.Tensor:
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
+    key = (index, stream)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _workspaces[key] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8,
+                                                device=torch.device("cuda", index))
+    return buffer
+
+
+def _check(err: int) -> None:
     if err:
         raise RuntimeError(f"pagedfuse decode launch failed: "
-                           f"{lib.pagedfuse_cuda_error_string(err).decode()}")
+                           f"{library().pagedfuse_cuda_error_string(err).decode()}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
+                pdl: int = PDL_OFF, ctas: int = 0) -> None:
+    """Fill the contiguous ``out`` with the decode of ``call`` in one host call: with an INT8
+    key cache the query's quantization first, then the decode grid, then with ``splits`` > 1
+    the split combine, all on the current stream, their scratch from the stream's workspace.
+    ``heads``: KV heads per CTA, one of HEADS_PER_CTA dividing the KV heads (heads_per_cta).
+    ``pdl``: PDL_OFF, or (sm_90) PDL_WAIT_FIRST for a 16-bit cache and PDL_AFTER_QUANTIZE
+    for an INT8 K cache (the combine then goes as a dependent launch too). ``ctas`` > 0: the
+    balanced grid of that many CTAs instead (cuda_decode.balanced_ctas; ``splits`` unused),
+    which merges its own pieces. The call's window_left and softcap go to the kernel as they
+    are, a window longer than the table's capacity clamped to it (it then hides no key
+    either)."""
+    record = _record(call, splits, heads, pdl, ctas)
+    index = record.index
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    query = call.query
+    if record.copy_query:
+        query = query.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    workspace = _workspace(index, stream, record.workspace) if record.workspace else None
+    counters = balanced_counters(query.device, record.counts) if record.counts else None
+    ks, vs = call.key_scale, call.value_scale
+    _check(library().pagedfuse_decode_fused(
+        record.address, stream, query.data_ptr(), call.key_cache.data_ptr(),
+        call.value_cache.data_ptr(), None if ks is None else ks.data_ptr(),
+        None if vs is None else vs.data_ptr(), call.block_table.data_ptr(),
+        call.seq_lens.data_ptr(), call.query_start_loc.data_ptr(), out.data_ptr(),
+        None if workspace is None else workspace.data_ptr(),
+        None if counters is None else counters.data_ptr()))
+
+
+def kernel_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
+                q_scale: torch.Tensor | None, splits: int, heads: int,
+                part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
+                ctas: int = 0, counters: torch.Tensor | None = None) -> None:
+    """The decode grid of ``call`` alone (what the tuning sweeps time): ``q``/``q_scale``
+    from quantize_int8 with an INT8 key cache, else the query itself or an aligned copy
+    (aligned_rows); with ``splits`` > 1 it writes ``part_o``/``part_lse`` [splits, T, Hq,
+    D] and [splits, T, Hq] and leaves the combine to the caller. ``ctas``: as decode_into,
+    with ``part_o``/``part_lse`` holding 2 * ctas pieces of heads * group rows and
+    ``counters`` from balanced_counters."""
+    if ctas and (counters is None or counters.numel() < call.geometry.batch *
+                 call.geometry.num_kv_heads // max(heads, 1)):
+        raise ValueError(f"counters must hold one count per sequence and head group "
+                         f"({call.geometry.batch * call.geometry.num_kv_heads // max(heads, 1)}"
+                         "; balanced_counters)")
+    record = _record(call, splits, heads, pdl, ctas, q_stride=q.stride(0))
+    _check(library().pagedfuse_decode(
+        record.address, torch._C._cuda_getCurrentRawStream(record.index), q.data_ptr(),
+        _ptr(q_scale), call.key_cache.data_ptr(), call.value_cache.data_ptr(),
+        _ptr(call.key_scale), _ptr(call.value_scale), call.block_table.data_ptr(),
+        call.seq_lens.data_ptr(), call.query_start_loc.data_ptr(), out.data_ptr(),
+        part_o.data_ptr(), part_lse.data_ptr(), _ptr(counters)))
+
+
+_QUANTIZE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the C codes
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8 of a float tensor on a device decode_available: (x_int8, scale = max|x|
+    / 127 as float32) over the last dim, bit for bit as the reference, in one launch."""
+    q = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if q.numel() == 0:
+        return q, scale.zero_()  # no rows, or empty rows whose max|x| is taken as 0
+    index = _index(x.device)
+    x = x.contiguous()
+    _check(library().pagedfuse_quantize(
+        index, torch._C._cuda_getCurrentRawStream(index), _QUANTIZE_DTYPES[x.dtype],
+        x.data_ptr(), q.data_ptr(), scale.data_ptr(), scale.numel(), x.shape[-1]))
+    return q, scale

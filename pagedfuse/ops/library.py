@@ -67,7 +67,7 @@ def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
     if value_checks_enabled(query.device):
         check_values(call.geometry, block_table, seq_lens, query_start_loc, attn_bias,
                      max_seq_len, max_query_len)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # the cheapest
     if out.numel():
         _backend(call).run(call, out, None)
     return out

@@ -26,8 +26,7 @@ def round_half_even(x):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr,
-                          RELEASE: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     valid = offs < row_len
@@ -39,20 +38,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, row_len, BLOCK: tl.constexpr,
     q = tl.minimum(tl.maximum(tl.where(q != q, 0.0, q), -127.0), 127.0)
     tl.store(q_ptr + row * row_len + offs, q.to(tl.int8), mask=valid)
     tl.store(s_ptr + row, scale)
-    if RELEASE:  # the decode launched after this grid (PDL) may start; it waits for q
-        tl.extra.cuda.gdc_launch_dependents()
 
 
-def quantize_int8(x: torch.Tensor, release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_int8, scale = max|x| / 127 as float32) over the last dim, one program per row.
-    ``release`` (sm_90): each program, once its row is written, lets a programmatic
-    dependent launch after this grid start (the decode, which waits before reading q)."""
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_int8, scale = max|x| / 127 as float32) over the last dim, one program per row
+    (the Triton kernels' query quantization, and quantize_int8 on CUDA where the CUDA C++
+    library does not run)."""
     row_len = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return q, s.zero_()  # no rows, or empty rows whose max|x| is taken as 0
     rows = x.reshape(-1, row_len).contiguous()
-    _quantize_rows_kernel[(rows.shape[0],)](rows, q, s, row_len,
-                                            BLOCK=next_power_of_2(row_len), RELEASE=release)
+    _quantize_rows_kernel[(rows.shape[0],)](rows, q, s, row_len, BLOCK=next_power_of_2(row_len))
     return q, s

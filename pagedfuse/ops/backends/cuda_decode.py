@@ -12,11 +12,10 @@ from typing import NamedTuple
 import torch
 
 from pagedfuse import envs
-from pagedfuse.ops import cuda, cuda_native
+from pagedfuse.ops import cuda, cuda_native, triton_quantize
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
-from pagedfuse.ops.triton_paged import LOG2E
 
 HEAD_DIMS = frozenset(cuda_native.HEAD_DIMS)
 BALANCED = 0  # the split count that means the balanced grid
@@ -89,16 +88,34 @@ def launch_plan(kind: str, num_kv_heads: int, head_dim: int, batch: int, context
     return DecodePlan(config, splits, ctas, pdl)
 
 
+# The default plan per call signature (the Geometry), hints and switches: an eager call asks
+# for it every time.
+_PLANS: dict[tuple, DecodePlan] = {}
+_PLAN_LIMIT = 4096
+
+
 def make_plan(call: PagedCall, config: LaunchConfig | None = None,
               splits: int | None = None) -> DecodePlan:
     """The launch of ``call``: the heuristics' choice, or ``config`` (native_config with a
     chosen ``heads``) / ``splits`` (BALANCED: the balanced grid) instead. With a window the
     splits divide only the window's keys."""
     g, device = call.geometry, call.device
+    balanced, pdl = envs.PAGEDFUSE_BALANCED, envs.PAGEDFUSE_PDL
+    key = (g, call.max_seq_len, call.max_query_len, balanced, pdl)
+    if config is None and splits is None:
+        found = _PLANS.get(key)
+        if found is not None:
+            return found
     kind = cuda_native.kind_of(call.key_cache, call.value_cache)
-    config = config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch, device)
-    return launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.keys_bound, device,
-                       config, splits, envs.PAGEDFUSE_PDL and cuda.pdl_capable(device))
+    chosen = launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.keys_bound, device,
+                         config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch,
+                                                 device, balanced=balanced),
+                         splits, pdl and cuda.pdl_capable(device))
+    if config is None and splits is None:
+        if len(_PLANS) >= _PLAN_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = chosen
+    return chosen
 
 
 def supports(call: PagedCall) -> str | None:
@@ -116,34 +133,23 @@ def supports(call: PagedCall) -> str | None:
 
 
 def run(call: PagedCall, out: torch.Tensor, plan: DecodePlan | None = None) -> None:
-    """Fill the contiguous ``out`` [T, Hq, D]: quantize the query (INT8 K), the decode
-    grid, then the split combine where there are several splits."""
+    """Fill the contiguous ``out`` [T, Hq, D] in one launch call: the query's quantization
+    (INT8 K), the decode grid, then the split combine where there are several splits."""
     p = make_plan(call) if plan is None else plan
-    g = call.geometry
-    heads = p.config.heads
-    if call.int8_k:
-        q, q_scale = cuda.quantized_query(call, release=p.pdl)
-    else:
-        q, q_scale = call.query, None
-        if not cuda_native.aligned_rows(q):
-            q = q.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    counters = None
-    if p.splits == 1:
-        part_o = part_lse = out
-    elif p.splits == BALANCED:  # two pieces per CTA of its heads' query rows
-        part_o, part_lse = cuda.partials(call, 2 * p.ctas * heads * g.group)
-        counters = cuda_native.balanced_counters(call.device, g.batch * g.num_kv_heads // heads)
-    else:
-        part_o, part_lse = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
     pdl = (cuda_native.PDL_OFF if not p.pdl else
            cuda_native.PDL_AFTER_QUANTIZE if call.int8_k else cuda_native.PDL_WAIT_FIRST)
-    cuda_native.decode_into(call, out, q, q_scale, call.scale * LOG2E, p.splits, heads, part_o,
-                            part_lse, pdl=pdl, ctas=p.ctas, counters=counters)
-    if p.splits > 1:
-        cuda.combine(call, out, part_o, part_lse, p.splits, p.pdl)
+    cuda_native.decode_into(call, out, p.splits, p.config.heads, pdl=pdl, ctas=p.ctas)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8 on CUDA: the library's kernel where it runs on ``x``'s device (one
+    launch, where a Triton launch costs several times its host time), else Triton's."""
+    if cuda_native.decode_available(x.device):
+        return cuda_native.quantize_int8(x)
+    return triton_quantize.quantize_int8(x)
 
 
 BACKEND = register_backend(Backend(
     name="cuda_decode", device="cuda", priority=200,
     head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run,
-    make_plan=make_plan))
+    make_plan=make_plan, quantize=quantize))
