@@ -49,7 +49,6 @@ from pagedfuse.ops.backends import (
     cuda_decode,  # noqa: E402
 )
 from pagedfuse.ops.backends import triton as pf_triton  # noqa: E402
-from pagedfuse.ops.triton_paged import LOG2E  # noqa: E402
 
 INT8_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
 BF16_CONFIGS = [(64, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 8, 2)]
@@ -262,8 +261,8 @@ def _decode_alone(case: Case, kind: str) -> Callable[[], None]:
     out = torch.empty_like(case.q)
     parts = torch.empty(splits * case.q.numel() // d * (d + 1), device="cuda")
     part_o, part_lse = parts[: splits * case.q.numel()], parts[splits * case.q.numel():]
-    return lambda: cuda_native.decode_into(
-        call, out, q, q_scale, case.scale * LOG2E, splits, config.heads, part_o, part_lse)
+    return lambda: cuda_native.kernel_into(
+        call, out, q, q_scale, splits, config.heads, part_o, part_lse)
 
 
 def sweep(bw: float, what: str) -> None:

@@ -3,9 +3,10 @@
 Adding one is a new module that ends with ``register_backend(Backend(...))`` plus its import
 below (see registry.py for the contract). Built in: ``reference`` (pure torch, any device),
 ``cpu`` (the C++ kernels), and where Triton is installed ``triton``, ``triton_prefill`` (q_len
-> 1) and ``cuda_decode`` (the CUDA C++ decode, which also needs Triton for its query
-quantization and split combine); ``cudnn_prefill`` (cuDNN's paged SDPA, q_len > 1) where
-the optional ``nvidia-cudnn-frontend`` is installed too.
+> 1) and ``cuda_decode`` (the CUDA C++ decode, which launches its own query quantization
+and split combine, and falls back on Triton's quantize where its library does not run);
+``cudnn_prefill`` (cuDNN's paged SDPA, q_len > 1) where the optional
+``nvidia-cudnn-frontend`` is installed too.
 """
 
 from __future__ import annotations
