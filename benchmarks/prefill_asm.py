@@ -13,6 +13,7 @@ target, so this runs on any machine with Triton installed; on the H200 bench_pre
 
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
     python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
+    python benchmarks/prefill_asm.py --kernel gluon  # the Gluon INT8 K kernel (head_dim 128)
 """
 
 from __future__ import annotations
@@ -104,19 +105,78 @@ def compile_plan(call, plan: pp.PrefillPlan, capability: int = 90):
         driver._active = saved
 
 
+def _iteration(lines: list[str], labels: dict[str, int], header: int) -> list[str]:
+    """The lines of one iteration of the loop at ``header``, in execution order: from the
+    header, following unconditional branches and falling through conditional ones (LLVM
+    may place a loop's blocks out of text order, e.g. a Gluon loop with an if/else), up
+    to the branch back to the header."""
+    body, i, seen = [], header, set()
+    while i < len(lines) and i not in seen:
+        seen.add(i)
+        line = lines[i]
+        body.append(line)
+        m = re.search(r"(@!?%p\w+\s+)?\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(2)) == header:
+            break  # the back edge
+        if m and not m.group(1):
+            i = labels[m.group(2)]
+        elif re.search(r"\bret;", line):
+            break
+        else:
+            i += 1
+    return body
+
+
+def compile_gluon(call, plan, capability: int = 90):
+    """The compiled Gluon INT8 K kernel (pagedfuse/ops/gluon_prefill.py) of ``call`` under
+    ``plan`` (a GluonPlan)."""
+    from pagedfuse.ops import gluon_prefill as gp
+
+    out = torch.empty_like(call.query)
+    q, q_scale = quantize_int8_reference(call.query)
+    launch = gp.launch_args(call, out, plan, q, q_scale)
+    saved = driver._active
+    driver.set_active(_TargetOnly(capability))
+    try:
+        return gp.gluon_prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+    finally:
+        driver._active = saved
+
+
+def gluon_rows(q_len: int) -> list[dict]:
+    """The Gluon kernel's plans at llama3_8b INT8 K: the default for ``q_len`` and the other
+    tile shapes it takes."""
+    from pagedfuse.ops.backends import gluon_prefill as gb
+
+    call = small_call(GEOMETRIES["llama3_8b"], "int8_k", q_len)
+    first = gb.default_plan(call)
+    plans = [first] + [p for p in (gb.make_plan(call, block_n=64, stages=4),
+                                   gb.make_plan(call, block_m=64)) if p != first]
+    rows = []
+    for plan in plans:
+        try:
+            info = inspect(compile_gluon(call, plan))
+        except Exception as exc:  # a plan over the shared-memory limit, say
+            info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        rows.append({"kernel": "gluon", "geometry": "llama3_8b", "kind": "int8_k",
+                     "plan": plan.__dict__, **info})
+    return rows
+
+
 def loop_schedule(ptx: str) -> dict:
     """The first loop that issues wgmma (the key loop without masks; the masked loop comes
-    after it): its events in order, run-length coded ("mma x4" is four wgmma), and whether
-    the softmax waits for its Q·K^T."""
+    after it): its events in one iteration's execution order, run-length coded ("mma x4" is
+    four wgmma), and whether the softmax waits for its Q·K^T."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"\s*(\$L__\w+):", line))}
-    for end, line in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
-        if not (m and labels.get(m.group(1), end) < end):
-            continue  # not a backward branch
+    starts = sorted(labels.values())
+    # LLVM marks a loop's first block "=>This Inner Loop Header" on or after its label line
+    headers = [max(j for j in starts if j <= i) for i, line in enumerate(lines)
+               if "Loop Header" in line]
+    for header in headers:
         seq = []
-        for body in lines[labels[m.group(1)]:end + 1]:
+        for body in _iteration(lines, labels, header):
             for name, rx in EVENTS:
                 if hit := rx.search(body):
                     seq.append(name + (hit.group(1) if name in ("wait", "cpwait") else ""))
@@ -181,8 +241,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", choices=("default", "sweep"), default="default")
     ap.add_argument("--q-len", type=int, default=2048)
+    ap.add_argument("--kernel", choices=("triton", "gluon"), default="triton")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    if args.kernel == "gluon":
+        rows = gluon_rows(args.q_len)
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     rows = []
     for name, geo in GEOMETRIES.items():
         for kind in KINDS:

@@ -34,7 +34,7 @@ from pagedfuse.ops.backends.registry import (
 )
 
 if importlib.util.find_spec("triton") is not None:  # without it CUDA runs the reference
-    from pagedfuse.ops.backends import cuda_decode, triton, triton_prefill  # noqa: F401
+    from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton, triton_prefill  # noqa: F401
 
     # cuDNN's paged SDPA: only where the optional frontend is installed beside CUDA torch
     if importlib.util.find_spec("cudnn") is not None and torch.version.cuda is not None:

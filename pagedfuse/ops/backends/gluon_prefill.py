@@ -1,0 +1,134 @@
+"""The Gluon INT8 K prefill kernel (pagedfuse/ops/gluon_prefill.py) as a backend: calls with
+more than one query token per sequence over an INT8 K cache with a bf16/fp16 V cache, on an
+sm_90 GPU, where Q·K^T of the next key tile overlaps this tile's softmax.
+
+Priority 120, below triton_prefill (150): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
+On the H200 (2026-12-02, llama3_8b 32/8/128, bf16 V, one run) it is still slower than
+triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K over 8K, and 1.56 against
+1.41 at 2K over 16K, with the same error; in its loop P·V is waited for at once and two
+CTA-wide barriers per key tile keep both warpgroups in step.
+
+The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
+Gluon; the kernel module is imported on the first ``run`` only, so the package imports
+where Gluon is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import torch
+
+from pagedfuse.ops.backends.registry import Backend, register_backend
+from pagedfuse.ops.call import INT8_OP, PagedCall, options_missing
+from pagedfuse.ops.prefill_plan import prefill_unsupported
+
+NAME = "gluon_prefill"
+HEAD_DIMS = frozenset((128,))
+BLOCK_MS = (64, 128)  # one or two consumer warpgroups of 64 rows
+BLOCK_NS = (64, 128)
+MIN_STAGES = 3  # a buffer for P·V, one for the next Q·K^T, one being filled
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonPlan:
+    """Launch choices: rows per tile (``block_m``, 64 per warpgroup), query heads packed into
+    a tile's rows token-major (``pack``, a divisor of the GQA group), keys per step
+    (``block_n``) and shared-memory buffers per key tile (``stages``)."""
+
+    block_m: int = 128
+    pack: int = 1
+    block_n: int = 128
+    stages: int = 3
+
+    @property
+    def tokens(self) -> int:
+        """Query tokens per tile."""
+        return self.block_m // self.pack
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+
+def default_plan(call: PagedCall) -> GluonPlan:
+    """128-row tiles for long queries; shorter ones pack heads of the GQA group into the
+    rows (any divisor of the group) and take 64 rows once that holds the longest query."""
+    group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
+    pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
+    return GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack)
+
+
+def make_plan(call: PagedCall, **overrides: object) -> GluonPlan:
+    """default_plan with ``overrides`` (GluonPlan's fields) in place, checked."""
+    plan = dataclasses.replace(default_plan(call), **overrides)
+    check_plan(call, plan)
+    return plan
+
+
+def check_plan(call: PagedCall, plan: GluonPlan) -> None:
+    """A plan's shape rules, with the argument named."""
+    if plan.block_m not in BLOCK_MS:
+        raise ValueError(f"plan: block_m {plan.block_m} not in {BLOCK_MS}")
+    if plan.block_n not in BLOCK_NS:
+        raise ValueError(f"plan: block_n {plan.block_n} not in {BLOCK_NS}")
+    if plan.pack < 1 or call.geometry.group % plan.pack or plan.pack > plan.block_m:
+        raise ValueError(f"plan: pack {plan.pack} must divide the GQA group "
+                         f"{call.geometry.group} and be <= block_m {plan.block_m}")
+    if plan.stages < MIN_STAGES:
+        raise ValueError(f"plan: stages {plan.stages} must be >= {MIN_STAGES}")
+
+
+@functools.cache
+def _gluon_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ModuleNotFoundError:  # no triton (or no triton.experimental) at all
+        return False
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def call_unsupported(call: PagedCall) -> str | None:
+    """Why the kernel cannot run ``call``, from the call alone (no device query): what it
+    does not implement. (A 16-bit V cache is in the query's dtype: validate checks that.)"""
+    if call.op != INT8_OP:
+        return "float caches: the gluon_prefill kernel is INT8 K only (triton_prefill runs them)"
+    if call.int8_v:
+        return "INT8 V: not in the gluon_prefill kernel yet (bf16/fp16 V only)"
+    if call.geometry.head_dim not in HEAD_DIMS:
+        return f"head_dim {call.geometry.head_dim}: the gluon_prefill kernel is built for 128"
+    if call.attn_bias is not None:
+        return "attn_bias: not in the gluon_prefill kernel"
+    return None
+
+
+def supports(call: PagedCall) -> str | None:
+    if why := options_missing(call, NAME):
+        return why
+    if call.device.type != "cuda":
+        return f"device {call.device.type}: Gluon kernels run on CUDA only (no interpreter)"
+    if not _gluon_installed():
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if (cap := _capability(call.device)) != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}: the kernel's wgmma needs 9.0 (Hopper)"
+    return prefill_unsupported(call) or call_unsupported(call)
+
+
+def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
+    """The kernel (imported here: Gluon stays out of the package's import)."""
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    if plan is not None and not isinstance(plan, GluonPlan):
+        raise TypeError(f"plan: a GluonPlan, got {type(plan).__name__}")
+    prefill_into(call, out, plan)
+
+
+BACKEND = register_backend(Backend(
+    name=NAME, device="cuda", priority=120, head_dims={INT8_OP: HEAD_DIMS},
+    supports=supports, run=run, make_plan=make_plan))

@@ -1,0 +1,173 @@
+"""The ``gluon_prefill`` backend (INT8 K prefill in Gluon for sm_90, pagedfuse/ops/
+gluon_prefill.py).
+
+On the CPU: which calls it declines and why, its launch plans and their checks, and that
+the backend module imports without Triton. On an sm_90 GPU (marked ``cuda``): varlen INT8 K
+batches (q_len 1..300, histories 0..2000, pages of 16, GQA 4 and 8, head_dim 128) against
+the float64 reference into NaN-poisoned outputs, directly, through the op with
+PAGEDFUSE_BACKEND and through the shared conformance runner.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.cases import make_case
+from helpers.conformance import GridCase, run_case
+
+from pagedfuse import numerics
+from pagedfuse.ops.backends import all_backends, reason, unregister_backend
+
+NAME = "gluon_prefill"
+
+
+@pytest.fixture(scope="module")
+def gb():
+    """The backend module; registered only for this module where the package did not
+    register it (no Triton here), so that no other test sees a CUDA backend appear."""
+    was_registered = NAME in {b.name for b in all_backends()}
+    from pagedfuse.ops.backends import gluon_prefill
+
+    yield gluon_prefill
+    if not was_registered:
+        unregister_backend(NAME)
+
+
+def _int8k(q_lens, histories, **spec):
+    """A causal INT8 K (bf16 V) batch of head_dim 128: these query lengths after these
+    histories."""
+    return make_case(seq_lens=[q + h for q, h in zip(q_lens, histories, strict=True)],
+                     q_lens=q_lens, **{"num_q_heads": 16, "num_kv_heads": 4, "head_dim": 128,
+                                       "dtype": torch.bfloat16, "kind": "int8_k",
+                                       "causal": True, **spec})
+
+
+@pytest.mark.parametrize(("spec", "why"), [
+    (dict(kind="float"), "float caches: the gluon_prefill kernel is INT8 K only"),
+    (dict(kind="int8_kv"), "INT8 V: not in the gluon_prefill kernel yet"),
+    (dict(head_dim=64), "head_dim 64: the gluon_prefill kernel is built for 128"),
+    (dict(bias="float", bias_shape="per_batch"), "attn_bias: not in the gluon_prefill kernel"),
+])
+def test_calls_it_does_not_implement_are_declined(gb, spec, why):
+    call = _int8k([5, 3], [7, 20], **spec).call()
+    assert gb.call_unsupported(call).startswith(why)
+
+
+def test_supports_names_the_device_and_the_missing_options_first(gb):
+    case = _int8k([5, 3], [7, 20])
+    assert gb.supports(case.call()) == ("device cpu: Gluon kernels run on CUDA only (no "
+                                        "interpreter)")
+    assert gb.call_unsupported(case.call()) is None
+    windowed = case.with_(window_left=16).call()
+    assert gb.supports(windowed) == "window_left: not in the gluon_prefill kernel yet"
+    assert reason(gb.BACKEND, case.call()).startswith("runs on cuda")
+
+
+@pytest.mark.parametrize(("q_lens", "group", "plan"), [
+    ([300, 2], 4, (128, 1)),  # long queries: 128 tokens of one head
+    ([4, 4], 4, (64, 4)),  # short ones pack the group: 16 rows, one warpgroup
+    ([16, 3], 8, (128, 8)),  # 8 heads x 16 tokens
+    ([40, 9], 4, (128, 2)),  # 2 x 40 fits 128 rows, 4 x 40 does not
+])
+def test_default_plan(gb, q_lens, group, plan):
+    case = _int8k(q_lens, [10, 10], num_q_heads=4 * group, num_kv_heads=4)
+    got = gb.default_plan(case.call(max_query_len=max(q_lens)))
+    assert (got.block_m, got.pack) == plan
+    assert got.num_warps == got.block_m // 16 and got.tokens == got.block_m // got.pack
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(block_m=32), "plan: block_m 32 not in (64, 128)"),
+    (dict(block_n=256), "plan: block_n 256 not in (64, 128)"),
+    (dict(pack=3), "plan: pack 3 must divide the GQA group 4"),
+    (dict(stages=2), "plan: stages 2 must be >= 3"),
+])
+def test_bad_plans_are_refused_by_name(gb, overrides, message):
+    call = _int8k([5, 3], [7, 20]).call()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gb.make_plan(call, **overrides)
+
+
+def test_the_backend_imports_without_triton():
+    """The module the package imports wherever Triton is installed must not need Gluon
+    (older Triton) and must say so, not fail, where Triton itself is missing."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from pagedfuse.ops.backends import gluon_prefill as gb\n"
+            "assert not gb._gluon_installed()\n"
+            "assert 'pagedfuse.ops.gluon_prefill' not in sys.modules\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---- on an sm_90 GPU -------------------------------------------------------------------
+
+def _gpu_ready(gb) -> str | None:
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return gb.supports(_int8k([5, 3], [7, 20], device="cuda").call())
+
+
+CASES = {
+    "gqa4-varlen": dict(q_lens=[1, 4, 17, 128, 300], histories=[2000, 0, 1, 1000, 0]),
+    "gqa8-varlen": dict(q_lens=[300, 2, 33, 129], histories=[1000, 2000, 0, 17],
+                        num_q_heads=32, num_kv_heads=4),
+    "gqa4-fp16-noncausal": dict(q_lens=[64, 5, 200], histories=[0, 100, 300],
+                                dtype=torch.float16, causal=False),
+    "gqa8-hnd-int64": dict(q_lens=[7, 150], histories=[500, 3], num_q_heads=16,
+                           num_kv_heads=2, layout="HND", index_dtype=torch.int64),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(CASES))
+def test_varlen_batches_match_the_reference(gb, name, monkeypatch):
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    spec = dict(CASES[name])
+    case = _int8k(spec.pop("q_lens"), spec.pop("histories"), device="cuda", **spec)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    assert reason(gb.BACKEND, case.call(**hints)) is None
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    for plan in (None, gb.make_plan(case.call(**hints), block_n=64, stages=4)):
+        got = case.run_backend(gb.BACKEND, plan, **hints)  # into a NaN-filled output
+        assert numerics.rel_err(got, want) <= tol, plan
+    monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+    assert numerics.rel_err(case.run_op(**hints), want) <= tol
+
+
+@pytest.mark.cuda
+def test_rows_without_keys_are_zero_and_no_hint_is_needed(gb):
+    """5 tokens over 3 keys (under causal the first two read none), 2 tokens over no key,
+    70 over 110: zeros where the reference has them, no length hints."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([5, 2, 70], [-2, -2, 40], device="cuda", seed=1)
+    got = case.run_backend(gb.BACKEND).cpu().double()
+    want = case.reference()
+    dead = [0, 1, 5, 6]
+    assert not want[dead].any() and not got[dead].any()
+    assert numerics.rel_err(got, want) <= numerics.kernel_tolerance(torch.bfloat16, "int8_k")
+
+
+GRID = [
+    GridCase("gluon-int8k-bf16-gqa4-causal", dict(seq_lens=(300, 70, 1000), q_lens=(300, 7, 2),
+                                                  num_q_heads=8, head_dim=128, dtype=torch.bfloat16,
+                                                  kind="int8_k", causal=True), "exact"),
+    GridCase("gluon-int8k-f16-gqa8-noncausal", dict(seq_lens=(40, 53), q_lens=(6, 9),
+                                                    num_q_heads=16, head_dim=128,
+                                                    dtype=torch.float16, kind="int8_k")),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grid_case", GRID, ids=[c.name for c in GRID])
+def test_through_the_conformance_runner(gb, grid_case, monkeypatch):
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    assert run_case(gb.BACKEND, grid_case, "cuda", monkeypatch) is None
