@@ -3,7 +3,7 @@ more than one query token per sequence over an INT8 K cache with a bf16/fp16 V c
 sm_90 GPU, where Q·K^T of the next key tile overlaps this tile's softmax.
 
 Priority 120, below triton_prefill (150): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
-On the H200 (2026-12-02, llama3_8b 32/8/128, bf16 V, one run) it is still slower than
+On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run) it is still slower than
 triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K over 8K, and 1.56 against
 1.41 at 2K over 16K, with the same error; in its loop P·V is waited for at once and two
 CTA-wide barriers per key tile keep both warpgroups in step.
