@@ -186,7 +186,12 @@ def _attend_rows(
             v_scale = tl.load(vs_ptr + blk * stride_vsb + slot * stride_vst + kvh * stride_vsh,
                               mask=n_ok, other=0.0)
             if tl.max((~(tl.abs(v_scale) < float("inf"))).to(tl.int32), axis=0) > 0:
-                part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads)
+                if QT > 1:
+                    part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads)
+                else:  # one token per tile: every row reads every key of [lo, hi), and the
+                    # keys past hi load as 0 with scale 0, so IEEE's plain sum is the answer
+                    part = tl.dot(p, v.to(tl.float32) * v_scale[:, None],
+                                  input_precision="ieee")
             else:
                 pv = p * v_scale[None, :]
                 p_max = tl.max(tl.abs(pv), axis=1)
