@@ -100,6 +100,26 @@ def _tanh(x):
 
 
 @triton.jit
+def _pv_non_finite_scales(p, v, v_scale):
+    """sum_j p[i, j] v[j, :] v_scale[j] in IEEE arithmetic for an int8 ``v`` [N, D] whose
+    scales [N] hold a NaN or an Inf, where every row reads every key of the tile (one query
+    token per tile; keys past its end load as 0 with scale 0). Then every element of a row is
+    NaN or +-Inf, and which one follows from reductions alone: NaN where a scale is NaN, where
+    an Inf-scaled key has weight 0 in the row or 0 in the column, or where +Inf and -Inf
+    meet; else the sign of the Inf terms. No product is needed (_pv_non_finite takes five)."""
+    vf = v.to(tl.float32)
+    inf_key = tl.abs(v_scale) == float("inf")
+    any_nan_key = tl.max((v_scale != v_scale).to(tl.int32), axis=0) > 0
+    zero_weight = tl.max((inf_key[None, :] & (p == 0.0)).to(tl.int32), axis=1) > 0  # [M]
+    signed = vf * v_scale[:, None]  # +-Inf on Inf-scaled keys, NaN where v is 0
+    zero_value = tl.max((inf_key[:, None] & (vf == 0.0)).to(tl.int32), axis=0) > 0  # [D]
+    pos = tl.max((inf_key[:, None] & (signed > 0.0)).to(tl.int32), axis=0) > 0
+    neg = tl.max((inf_key[:, None] & (signed < 0.0)).to(tl.int32), axis=0) > 0
+    nan = (zero_weight | any_nan_key)[:, None] | (zero_value | (pos & neg))[None, :]
+    return tl.where(nan, float("nan"), tl.where(pos[None, :], float("inf"), -float("inf")))
+
+
+@triton.jit
 def _attend_rows(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -188,10 +208,8 @@ def _attend_rows(
             if tl.max((~(tl.abs(v_scale) < float("inf"))).to(tl.int32), axis=0) > 0:
                 if QT > 1:
                     part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads)
-                else:  # one token per tile: every row reads every key of [lo, hi), and the
-                    # keys past hi load as 0 with scale 0, so IEEE's plain sum is the answer
-                    part = tl.dot(p, v.to(tl.float32) * v_scale[:, None],
-                                  input_precision="ieee")
+                else:
+                    part = _pv_non_finite_scales(p, v, v_scale)
             else:
                 pv = p * v_scale[None, :]
                 p_max = tl.max(tl.abs(pv), axis=1)

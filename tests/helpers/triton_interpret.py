@@ -2,8 +2,9 @@
 tests/test_window_kernels.py as ``TRITON_INTERPRET=1 python -m helpers.triton_interpret``:
 window_left and softcap against the float64 reference, fp32 and fp16 (the interpreter's bf16
 tl.dot is wrong), with the kernel's own split count and with 3 splits, and the
-non-finite cases. Prints "unsupported: ..." and exits 0 where the interpreter itself cannot
-run a loop with run-time bounds (some numpy versions); raises on any mismatch."""
+non-finite cases (decode with non-finite INT8 V scales too). Prints "unsupported: ..." and
+exits 0 where the interpreter itself cannot run a loop with run-time bounds (numpy 2 does
+not; numpy 1.26 does); raises on any mismatch."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers.cases import Case
-from helpers.window_cases import POISONS, WINDOWS, poison_case, window_case
+from helpers.cases import Case, make_case, poison_kv
+from helpers.window_cases import INF, NAN, POISONS, WINDOWS, poison_case, window_case
 from pagedfuse import numerics
 
 
@@ -84,6 +85,31 @@ def main() -> None:
                                            equal_nan=True, msg=lambda m, w=where, k=kind,
                                            s=splits: f"{k} {w} splits={s}: {m}")
                 checked += 1
+    # Decode (one query token per tile) with non-finite INT8 V scales: NaN, +-Inf of both
+    # signs in one tile, an Inf on a key whose value is 0 in some dims, and an Inf on a key a
+    # bool mask gives weight 0 (where the reference's 0 * Inf is NaN)
+    for where in ("nan", "inf", "mixed", "inf_zero_value", "inf_masked"):
+        c = make_case(seq_lens=(60, 37, 20), num_q_heads=4, num_kv_heads=2, block_size=4,
+                      kind="int8_kv", causal=True, seed=5,
+                      bias="bool" if where == "inf_masked" else None)
+        c = c.with_(value_scale=c.value_scale.clone(), value_cache=c.value_cache.clone())
+        block = int(c.block_table[0, 3])  # sequence 0's keys 12..15
+        poison_kv(c, "v", block, 1, NAN if where == "nan" else INF)
+        if where == "mixed":
+            poison_kv(c, "v", block, 2, -INF)
+        if where == "inf_zero_value":
+            c.value_cache[block, 1, 1, :5] = 0
+        if where == "inf_masked":
+            c.attn_bias[0, :, :, 13] = False
+        ref = c.reference()
+        for splits in (None, 3):
+            call = c.call(max_query_len=1, capability=False)
+            got = c.run_backend(triton_backend, triton_backend.make_plan(call, splits=splits)
+                                if splits else None, max_query_len=1)
+            torch.testing.assert_close(got.double(), ref.double(), rtol=4e-2, atol=4e-2,
+                                       equal_nan=True, msg=lambda m, w=where, s=splits:
+                                       f"decode int8_kv V scale {w} splits={s}: {m}")
+            checked += 1
     print(f"checked {checked} runs")
 
 
