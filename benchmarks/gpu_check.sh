@@ -12,9 +12,10 @@
 # VARIANTS (tune/check): nvcc flag sets separated by ";" (e.g. "-DX=1;-DX=2"); after the
 # sweeps, the CUDA library is rebuilt for sm_90 with each set and the sweeps run again, so
 # kernel builds compare in one call.
-# TEST_S (default 240): seconds for the GPU tests (all of them, about 1300, need more than
-# 420 s at 8 workers: give them a call of their own); WORKERS (default 12): pytest-xdist
-# workers.
+# TEST_S (default 240): seconds for the GPU tests (all of them, about 1330, need more than
+# 600 s at 14 workers, so two calls: TEST_FILES=tests/test_op_semantics.py in one, the other
+# files in the other); WORKERS (default 12): pytest-xdist workers; TEST_FILES (default
+# tests/): the test paths of the full and check modes.
 # LIB=path/_cuda_kernels.so: take that prebuilt CUDA library (compiled with the same nvcc for
 # sm_90 and carried) instead of building it here.
 # Wheels under .whl/ (e.g. the transformers version the tests pin) are installed first into
@@ -80,7 +81,7 @@ run_demo() {
 
 if [ "$MODE" != tune ]; then
   echo "== pytest -m cuda (all tests), memcheck and the demo, side by side ($SECONDS s)"
-  run_tests tests/ & tests_pid=$!
+  run_tests "${TEST_FILES:-tests/}" & tests_pid=$!
   run_memcheck & memcheck_pid=$!
   run_demo & demo_pid=$!
   wait $tests_pid || { echo "pytest FAILED"; status=1; }
