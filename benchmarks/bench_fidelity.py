@@ -15,8 +15,8 @@ dequantize an INT8 cache, SDPA in the cache's float dtype); ``pagedfuse`` is the
 with the pagedfuse backend, every attention site rewritten to the fused op (the run fails
 otherwise); ``dequant`` is the same compiled model with the op forced to a plain
 dequantize-then-attend (float32 attention over the dequantized caches with the query left
-unquantized) over exactly the query, K and V the kernel receives. So pagedfuse vs dequant is the
-kernel's own loss (quantizing the query, and P for an INT8 V) apart from the cache's
+unquantized) over exactly the query, K and V the kernel receives. So pagedfuse vs dequant is
+the kernel's own loss (quantizing the query, and P for an INT8 V) apart from the cache's
 quantization loss (dequant vs fp32). Eager is not that baseline for INT8 K + bf16 V: there
 the model attends in bf16, and the bf16 SDPA's own rounding would be counted against the
 kernel. For INT8 K+V eager attends in float32 and is that baseline already (the dequant run
@@ -79,8 +79,8 @@ def _dequantize_then_attend(call: PagedCall, out: torch.Tensor, plan: None = Non
     bias or option) go batched through SDPA, which is what makes it affordable on a GPU with
     hundreds of windows; any other call goes through the reference, one sequence at a time."""
     q_lens, lengths = call.query_start_loc.diff(), call.seq_lens
-    n, length = int(q_lens[0]), int(lengths[0])
-    if (call.attn_bias is not None or call.options or length < n
+    n, length = (int(q_lens[0]), int(lengths[0])) if lengths.numel() else (0, 0)
+    if (call.attn_bias is not None or call.options or length < n or n == 0
             or not bool((q_lens == n).all() & (lengths == length).all())):
         out.copy_(paged_attention_reference(
             call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
@@ -160,8 +160,7 @@ def _progress(total: int):
 
 
 def run_one(hf_model, cache: str, path: str, args: argparse.Namespace, windows: torch.Tensor,
-            reference: torch.Tensor,
-            tick: Callable[[], None]) -> RunResult:
+            reference: torch.Tensor, tick: Callable[[], None]) -> RunResult:
     model = from_transformers(hf_model, device=args.device, dtype=DTYPES[args.dtype],
                               block_size=args.block_size, **CACHES[cache])
     forward = model
