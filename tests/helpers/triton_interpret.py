@@ -15,7 +15,15 @@ import triton
 import triton.language as tl
 
 from helpers.cases import Case, make_case, poison_kv
-from helpers.window_cases import INF, NAN, POISONS, WINDOWS, poison_case, window_case
+from helpers.window_cases import (
+    DECODE,
+    INF,
+    NAN,
+    POISONS,
+    WINDOWS,
+    poison_case,
+    window_case,
+)
 from pagedfuse import numerics
 
 
@@ -37,11 +45,13 @@ def interpreter_problem() -> str | None:
     return None if x.tolist() == [0, 1, 2] else f"the probe wrote {x.tolist()}"
 
 
-def run(backend, c: Case, splits: int | None) -> torch.Tensor:
-    call = c.call(capability=False)
+def run(backend, c: Case, splits: int | None, max_query_len: int | None = None) -> torch.Tensor:
+    """``max_query_len=1``: the decode hint, with which the plan has one token per tile."""
+    call = c.call(max_query_len=max_query_len, capability=False)
     why = backend.supports(call)
     assert why is None, why
-    return c.run_backend(backend, backend.make_plan(call, splits=splits) if splits else None)
+    return c.run_backend(backend, backend.make_plan(call, splits=splits) if splits else None,
+                         max_query_len=max_query_len)
 
 
 def in_dtype(c: Case, dtype: torch.dtype) -> Case:
@@ -61,6 +71,9 @@ def main() -> None:
     triton_backend = get_backend("triton")
     cases = [(f"w{w}-{'causal' if causal else 'noncausal'}", window_case(w, causal))
              for w in WINDOWS for causal in (False, True)]
+    # decode calls (one query token per tile, whose loop starts at its window)
+    cases += [(f"decode-w{w}-{kind}", window_case(w, True, kind=kind, q_lens=DECODE))
+              for w in (1, 16, 4096) for kind in ("float", "int8_k", "int8_kv")]
     cases += [(f"w16-softcap-{kind}", window_case(16, True, kind=kind, softcap=5.0))
               for kind in ("float", "int8_k", "int8_kv")]
     cases += [("w7-noncausal-bias-softcap", window_case(7, False, bias="float",
@@ -71,7 +84,8 @@ def main() -> None:
         for dtype, splits in ((torch.float32, None), (torch.float16, 3)):
             c = in_dtype(case, dtype)
             tol = numerics.kernel_tolerance(dtype, c.call(capability=False).kind)
-            err = numerics.rel_err(run(triton_backend, c, splits), c.reference())
+            hint = 1 if name.startswith("decode") else None
+            err = numerics.rel_err(run(triton_backend, c, splits, hint), c.reference())
             assert err <= tol, f"{name} {dtype} splits={splits}: rel err {err:.3g} > {tol}"
             checked += 1
     # Element-wise: fp32 to its rounding; int8 V through the int8 P.V, which quantizes P
@@ -103,9 +117,7 @@ def main() -> None:
             c.attn_bias[0, :, :, 13] = False
         ref = c.reference()
         for splits in (None, 3):
-            call = c.call(max_query_len=1, capability=False)
-            got = c.run_backend(triton_backend, triton_backend.make_plan(call, splits=splits)
-                                if splits else None, max_query_len=1)
+            got = run(triton_backend, c, splits, max_query_len=1)
             torch.testing.assert_close(got.double(), ref.double(), rtol=4e-2, atol=4e-2,
                                        equal_nan=True, msg=lambda m, w=where, s=splits:
                                        f"decode int8_kv V scale {w} splits={s}: {m}")
