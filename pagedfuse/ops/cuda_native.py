@@ -368,14 +368,11 @@ def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
         query = query.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
     workspace = _workspace(index, stream, record.workspace) if record.workspace else None
     counters = balanced_counters(query.device, record.counts) if record.counts else None
-    ks, vs = call.key_scale, call.value_scale
     _check(library().pagedfuse_decode_fused(
         record.address, stream, query.data_ptr(), call.key_cache.data_ptr(),
-        call.value_cache.data_ptr(), None if ks is None else ks.data_ptr(),
-        None if vs is None else vs.data_ptr(), call.block_table.data_ptr(),
-        call.seq_lens.data_ptr(), call.query_start_loc.data_ptr(), out.data_ptr(),
-        None if workspace is None else workspace.data_ptr(),
-        None if counters is None else counters.data_ptr()))
+        call.value_cache.data_ptr(), _ptr(call.key_scale), _ptr(call.value_scale),
+        call.block_table.data_ptr(), call.seq_lens.data_ptr(), call.query_start_loc.data_ptr(),
+        out.data_ptr(), _ptr(workspace), _ptr(counters)))
 
 
 def kernel_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
