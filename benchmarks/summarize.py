@@ -109,16 +109,22 @@ def decode(record: dict) -> tuple[str, str]:
     return ran_on, note + "\n\n" + table(head, rows)
 
 
+def _timed_by_case(record: dict, fields: tuple[str, ...]) -> dict[tuple, dict[str, dict]]:
+    """The record's timed rows (those with "ms"), by the case its ``fields`` name, then by
+    method."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in record["rows"]:
+        if "ms" in r:
+            by_case.setdefault(tuple(r[f] for f in fields), {})[r["method"]] = r
+    return by_case
+
+
 def prefill(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN "
               f"{env['cudnn']}, Python {env['python']}; `bench_prefill.py "
               f"{' '.join(env['argv'])}`")
-    by_case: dict[tuple, dict[str, dict]] = {}
-    for r in record["rows"]:
-        if "ms" in r:
-            key = (r["geometry"], r["batch"], r["seq_len"], r["q_len"])
-            by_case.setdefault(key, {})[r["method"]] = r
+    by_case = _timed_by_case(record, ("geometry", "batch", "seq_len", "q_len"))
     peers = ("SDPA cudnn", "SDPA flash", "SDPA efficient", "FlexAttention", "eager gather+SDPA")
     rows = []
     for (geo, batch, seq, q), methods in by_case.items():
@@ -220,10 +226,7 @@ def library_prefill(record: dict) -> tuple[str, str]:
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN frontend "
               f"{env['cudnn_frontend']} (backend {env['cudnn_backend']}), Python "
               f"{env['python']}; `bench_library_prefill.py {' '.join(env['argv'])}`")
-    by_case: dict[tuple, dict[str, dict]] = {}
-    for r in record["rows"]:
-        if "ms" in r:
-            by_case.setdefault((r["geometry"], r["case"]), {})[r["method"]] = r
+    by_case = _timed_by_case(record, ("geometry", "case"))
     rows = []
     for (geo, case), methods in by_case.items():
         ours, lib = methods.get("triton_prefill"), methods.get("cudnn_prefill")
