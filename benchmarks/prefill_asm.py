@@ -14,6 +14,7 @@ target, so this runs on any machine with Triton installed; on the H200 bench_pre
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
     python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
     python benchmarks/prefill_asm.py --kernel gluon  # the Gluon INT8 K kernel (head_dim 128)
+    python benchmarks/prefill_asm.py --kernel decode # the split-KV decode (backend triton)
 """
 
 from __future__ import annotations
@@ -163,6 +164,65 @@ def gluon_rows(q_len: int) -> list[dict]:
     return rows
 
 
+H200_SMS = 132  # what the split heuristic sizes the decode's grid for, with no GPU to ask
+DECODE_BATCH, DECODE_KEYS = 64, 8192
+DECODE_OPTIONS = {"-": {}, "window 4096": dict(window_left=4096), "softcap 50": dict(softcap=50.0)}
+
+
+def decode_rows() -> list[dict]:
+    """The split-KV Triton decode (backends/triton.py) at B=64 and 8K keys, default plan, for
+    every geometry, cache kind and option: what it costs in registers, spills and shared
+    memory on sm_90 (above the H200's 227 KB a launch steps down to smaller tiles)."""
+    from pagedfuse.ops import triton_paged
+    from pagedfuse.ops.backends import triton as tb
+
+    rows = []
+    for name, (hq, hkv, d) in GEOMETRIES.items():
+        for kind in KINDS:
+            for option, values in DECODE_OPTIONS.items():
+                page, blocks = 16, DECODE_KEYS // 16
+                k = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
+                v = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
+                ks = vs = None
+                if kind != "bf16":
+                    k, ks = quantize_int8_reference(k)
+                if kind == "int8_kv":
+                    v, vs = quantize_int8_reference(v)
+                call = paged_call(
+                    torch.randn(DECODE_BATCH, hq, d).to(torch.bfloat16), k, v,
+                    torch.zeros(DECODE_BATCH, blocks, dtype=torch.int32),
+                    torch.full((DECODE_BATCH,), DECODE_KEYS),
+                    torch.arange(DECODE_BATCH + 1), 1 / math.sqrt(d), True, key_scale=ks,
+                    value_scale=vs, max_seq_len=DECODE_KEYS, max_query_len=1)._replace(**values)
+                g = call.geometry
+                config = tb.launch_config(call.int8_k)
+                plan = tb.launch_plan(g.num_tokens, g.num_q_heads, g.num_kv_heads, d, g.batch,
+                                      call.keys_bound, 1, H200_SMS, config, False)
+                q, q_scale = (quantize_int8_reference(call.query) if call.int8_k
+                              else (call.query, call.query))
+                out = torch.empty_like(call.query)
+                parts = torch.empty(plan.splits * out.numel() // d * (d + 1))
+                args, constexprs = tb.kernel_args(call, out, plan, q, q_scale,
+                                                  parts[:plan.splits * out.numel()],
+                                                  parts[plan.splits * out.numel():])
+                saved = driver._active
+                driver.set_active(_TargetOnly(90))
+                try:
+                    kernel = triton_paged.paged_attention_kernel.warmup(
+                        *args, **constexprs, BLOCK_N=config.block_n,
+                        num_warps=config.num_warps, num_stages=config.num_stages,
+                        grid=(g.batch, g.num_kv_heads, plan.splits))
+                finally:
+                    driver._active = saved
+                info = inspect(kernel)
+                rows.append({"kernel": "decode", "geometry": name, "kind": kind,
+                             "option": option, "splits": plan.splits,
+                             "config": config._asdict(),
+                             **{key: info[key] for key in ("registers", "spill_bytes",
+                                                          "shared_bytes", "sass_mma")}})
+    return rows
+
+
 def loop_schedule(ptx: str) -> dict:
     """The first loop that issues wgmma (the key loop without masks; the masked loop comes
     after it): its events in one iteration's execution order, run-length coded ("mma x4" is
@@ -241,11 +301,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", choices=("default", "sweep"), default="default")
     ap.add_argument("--q-len", type=int, default=2048)
-    ap.add_argument("--kernel", choices=("triton", "gluon"), default="triton")
+    ap.add_argument("--kernel", choices=("triton", "gluon", "decode"), default="triton")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    if args.kernel == "gluon":
-        rows = gluon_rows(args.q_len)
+    if args.kernel != "triton":
+        rows = gluon_rows(args.q_len) if args.kernel == "gluon" else decode_rows()
         for row in rows:
             print(json.dumps(row), flush=True)
         if args.json:

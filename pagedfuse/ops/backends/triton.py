@@ -100,19 +100,17 @@ def supports(call: PagedCall) -> str | None:
     return options_missing(call, "triton", implemented=("window_left", "softcap"))
 
 
-def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> None:
-    """Fill the contiguous ``out`` [T, Hq, D]: the attention grid (batch, KV heads, splits),
-    then the split combine where there are several splits."""
-    p = make_plan(call) if plan is None else plan
+def kernel_args(call: PagedCall, out: torch.Tensor, p: TritonPlan, q: torch.Tensor,
+                q_scale: torch.Tensor, part_o: torch.Tensor,
+                part_lse: torch.Tensor) -> tuple[tuple, dict]:
+    """paged_attention_kernel's run-time arguments and constexprs (all but the launch config)
+    for ``call`` under plan ``p``: ``q``/``q_scale`` the quantized query with an INT8 K cache
+    (else the query twice), ``part_o``/``part_lse`` the partial results (``out`` with one
+    split). Run uses them; benchmarks/prefill_asm.py compiles with them offline."""
     g = call.geometry
     key_cache, value_cache = call.key_cache, call.value_cache
     int8_k, v_int8 = call.int8_k, call.int8_v
     # Pointer slots a specialisation does not read get any tensor (Triton needs a pointer).
-    q, q_scale = cuda.quantized_query(call) if int8_k else (call.query, call.query)
-    if p.splits == 1:
-        part_o = part_lse = out
-    else:
-        part_o, part_lse = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
     ks = call.key_scale if int8_k else q_scale
     vs = call.value_scale if call.value_scale is not None else ks
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
@@ -135,7 +133,21 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
         DIRECT=p.splits == 1,
         PRECISION="ieee" if out.dtype == torch.float32 else "tf32", DECODE=p.decode,
         WINDOW=call.window_left is not None, SOFTCAP=call.softcap is not None)
-    key = (out.device, q.dtype, value_cache.dtype, out.dtype, p.config,
+    return args, constexprs
+
+
+def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> None:
+    """Fill the contiguous ``out`` [T, Hq, D]: the attention grid (batch, KV heads, splits),
+    then the split combine where there are several splits."""
+    p = make_plan(call) if plan is None else plan
+    g = call.geometry
+    q, q_scale = cuda.quantized_query(call) if call.int8_k else (call.query, call.query)
+    if p.splits == 1:
+        part_o = part_lse = out
+    else:
+        part_o, part_lse = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
+    args, constexprs = kernel_args(call, out, p, q, q_scale, part_o, part_lse)
+    key = (out.device, q.dtype, call.value_cache.dtype, out.dtype, p.config,
            *constexprs.values())
     config = _FITTED.get(key, p.config)
     while True:
