@@ -58,7 +58,7 @@ import torch
 import pagedfuse
 from pagedfuse import envs
 from pagedfuse.models import fidelity, from_transformers, generate, smollm2
-from pagedfuse.ops.backends import Backend, register_backend
+from pagedfuse.ops.backends import Backend, all_backends, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
 from pagedfuse.ops.reference import paged_attention_reference
 
@@ -109,10 +109,10 @@ def _dequantize_then_attend(call: PagedCall, out: torch.Tensor, plan: None = Non
     out.copy_(attended.transpose(1, 2).reshape(out.shape))
 
 
-# Asked only when forced: any device's own backends, and the reference, outrank it.
-DEQUANTIZE = register_backend(Backend(
-    name="dequantize-then-attend", device=None, priority=-1,
-    head_dims={FLOAT_OP: None, INT8_OP: None}, run=_dequantize_then_attend))
+# Asked only when forced: any device's own backends, and the reference, outrank it. main()
+# registers it, so importing this module (the tests do) leaves the registry as it was.
+DEQUANTIZE = Backend(name="dequantize-then-attend", device=None, priority=-1,
+                     head_dims={FLOAT_OP: None, INT8_OP: None}, run=_dequantize_then_attend)
 # The op's backend per path (None: the registry's choice).
 FORCED_BACKEND = {"dequant": DEQUANTIZE.name}
 # Caches whose eager path already is the float32 dequantize-then-attend (no float V cache,
@@ -257,11 +257,36 @@ def table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def write_record(args: argparse.Namespace, command: str, device_name: str, text_sha: str,
-                 windows: int, results: list[RunResult], bars: list[Check]) -> None:
+# Settings a resumed record must share with the run that continues it (the rest, such as
+# --runs, --threads or the model's path, do not change what a run measures).
+SAME_SETTINGS = ("device", "tokens", "window", "prefill", "greedy_prompts", "greedy_prompt_len",
+                 "greedy_tokens", "dtype", "inner", "block_size")
+
+
+def resumed_runs(args: argparse.Namespace, device_name: str,
+                 text_sha: str) -> tuple[list[str], list[RunResult]]:
+    """The commands and runs of the --json record that this run continues."""
+    if not args.json.exists():
+        return [], []
+    record = json.loads(args.json.read_text())
+    mine = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    differ = [k for k in SAME_SETTINGS if record["settings"].get(k) != mine[k]]
+    if record["text_sha256"] != text_sha:
+        differ.append("text")
+    if record["device_name"] != device_name:
+        differ.append("device_name")
+    if differ:
+        raise SystemExit(f"--resume: {args.json} was measured with other {', '.join(differ)}")
+    commands = record.get("commands", [record.get("command")])
+    return commands, [RunResult(**run) for run in record["runs"]]
+
+
+def write_record(args: argparse.Namespace, commands: list[str], device_name: str,
+                 text_sha: str, windows: int, results: list[RunResult],
+                 bars: list[Check]) -> None:
     """The JSON record of the runs so far, with the bars they can be held to."""
     record = {
-        "command": command,
+        "commands": commands,
         "date": str(datetime.date.today()),
         "device": args.device,
         "device_name": device_name,
@@ -302,7 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch CPU threads (1: on a small shared CPU more threads spin)")
     parser.add_argument("--json", type=Path, help="write the record here (e.g. "
                         "benchmarks/results/fidelity-<device>.json); default: print only")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs of the --json record (same text, settings and "
+                        "device) and do only the others: a run cut short is continued")
     args = parser.parse_args(argv)
+    if args.resume and args.json is None:
+        parser.error("--resume needs --json, the record to continue")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device available")
     return args
@@ -313,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every query of the model sees at least its own key; on CUDA, whose SDPA gives a fully
     # masked row other values than the op, the rewrite must be told so.
     os.environ.setdefault("PAGEDFUSE_ASSUME_VISIBLE_KEY", "1")
+    if DEQUANTIZE.name not in {b.name for b in all_backends()}:
+        register_backend(DEQUANTIZE)
     torch.set_num_threads(args.threads)
     try:
         loaded = smollm2.load(args.model_path)
@@ -330,21 +362,23 @@ def main(argv: list[str] | None = None) -> int:
                          args.greedy_tokens - 1).tokens.cpu()
     del reference_model
 
-    runs = [tuple(run.split("/")) for run in args.runs]
-    decode_steps = args.window - 1 - args.prefill
-    progress = _progress(len(runs) * decode_steps)
-    tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
     command = " ".join(shlex.quote(a) for a in ["benchmarks/bench_fidelity.py", *sys.argv[1:]])
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
         platform.processor() or platform.machine()
     text_sha = hashlib.sha256(ids[:args.tokens].numpy().tobytes()).hexdigest()
-    results = []
+    commands, results = resumed_runs(args, device_name, text_sha) if args.resume else ([], [])
+    commands.append(command)
+    done = {(r.cache, r.path) for r in results}
+    runs = [run for run in (tuple(r.split("/")) for r in args.runs) if run not in done]
+    decode_steps = args.window - 1 - args.prefill
+    progress = _progress(len(runs) * decode_steps)
+    tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
     for cache, path in runs:
         if progress is not None:
             progress.set_postfix_str(f"{cache} {path}")
         results.append(run_one(loaded.hf_model, cache, path, args, windows, reference, tick))
         if args.json:  # after every run, so a run cut short keeps what it measured
-            write_record(args, command, device_name, text_sha, windows.shape[0], results,
+            write_record(args, commands, device_name, text_sha, windows.shape[0], results,
                          checks(results))
         gc.collect()
     if progress is not None:
@@ -352,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n### Fidelity: SmolLM2-135M-Instruct ({smollm2.GGUF_FILE}), {args.device} "
           f"({device_name}), {datetime.date.today()}\n")
-    print(f"`{command}`: {windows.shape[0]} windows of {args.window} tokens ({args.prefill} "
-          f"prefilled, {decode_steps} decoded) over {args.tokens} tokens of pydoc_data.topics; "
+    print(f"{'; '.join(f'`{c}`' for c in commands)}: {windows.shape[0]} windows of "
+          f"{args.window} tokens ({args.prefill} prefilled, {decode_steps} decoded) over "
+          f"{args.tokens} tokens of pydoc_data.topics; "
           f"weights {args.dtype}; pagedfuse inner {args.inner}; greedy agreement over "
           f"{args.greedy_prompts} x {args.greedy_tokens} tokens vs eager fp32.\n")
     print(table(results))

@@ -111,9 +111,10 @@ def _backend(case: Case, kind: str, name: str, window: int) -> Callable[[], torc
     return run
 
 
-def _flex(case: Case, window: int) -> Callable[[], torch.Tensor]:
+def _flex(case: Case, window: int, general: bool = False) -> Callable[[], torch.Tensor]:
     """FlexAttention's sliding-window call, set up (and compiled) on its first call; torch's
-    PagedAttention is experimental, so it is imported only here."""
+    PagedAttention is experimental, so it is imported only here. ``general``: its general
+    kernel instead of the decode kernel it picks for power-of-two head groups."""
     from flex_paged import paged_flex_call
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -124,7 +125,7 @@ def _flex(case: Case, window: int) -> Callable[[], torch.Tensor]:
         if fn is None:
             fn = paged_flex_call(case.q, case.k, case.v, case.table, case.seq_lens,
                                  case.scale, torch.compile(flex_attention, dynamic=False),
-                                 window_left=window)
+                                 window_left=window, general=general)
         return fn()
 
     return call
@@ -155,6 +156,10 @@ def methods(case: Case, window: int, softcap: float, flex: bool) -> dict[str, Me
     if flex:
         timed["FlexAttention, sliding-window block mask"] = Method("bf16", window, None,
                                                                    _flex(case, window))
+        group = case.q.shape[1] // case.k.shape[2]
+        if group & (group - 1) == 0:  # its decode kernel ran above; else the general one did
+            timed["FlexAttention, sliding-window block mask, general kernel"] = Method(
+                "bf16", window, None, _flex(case, window, general=True))
     return timed
 
 

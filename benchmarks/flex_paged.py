@@ -18,6 +18,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 # power of two; other groups (qwen35's 6) take its general kernel, whose tiles must divide the
 # mask's blocks, here one page (16) for both the query and the keys.
 NON_POW2_OPTIONS = {"BLOCK_M": 16, "BLOCK_N": 16}
+# The general kernel for any group: torch 2.11's decode kernel fails to compile with a
+# sliding-window block mask (a ternary mixing int64 and int32 in its template), so a windowed
+# peer that hits that still gets timed through this one.
+GENERAL_OPTIONS = {**NON_POW2_OPTIONS, "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _power_of_two(n: int) -> bool:
@@ -36,13 +40,14 @@ def physical_pages(cache: torch.Tensor) -> torch.Tensor:
 
 def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    flex: Callable = flex_attention,
-                    window_left: int | None = None) -> Callable[[], torch.Tensor]:
+                    flex: Callable = flex_attention, window_left: int | None = None,
+                    general: bool = False) -> Callable[[], torch.Tensor]:
     """A zero-argument call of ``flex`` (flex_attention, or a compiled one) for decode:
     query [B, Hq, D], one token per sequence, attending to the first seq_lens[b] keys of
     sequence b's pages, or with ``window_left`` to its last window_left of them (a sliding
     window: the block mask skips the pages before it); it returns [B, Hq, D]. The block
-    mask is built here, once, so the call times attention alone."""
+    mask is built here, once, so the call times attention alone. ``general`` takes
+    FlexAttention's general kernel even where its decode kernel would run."""
     batch, _, _ = query.shape
     blocks, page, _, _ = key_cache.shape
     n = block_table.shape[1]
@@ -62,7 +67,8 @@ def paged_flex_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                 n * page, device=str(device), BLOCK_SIZE=page)
     mask = paged.convert_logical_block_mask(logical)
     q, k, v = query[:, :, None], physical_pages(key_cache), physical_pages(value_cache)
-    options = None if _power_of_two(query.shape[1] // key_cache.shape[2]) else NON_POW2_OPTIONS
+    options = GENERAL_OPTIONS if general else (
+        None if _power_of_two(query.shape[1] // key_cache.shape[2]) else NON_POW2_OPTIONS)
     return lambda: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                         kernel_options=options)[:, :, 0]
 

@@ -206,9 +206,9 @@ def compile_time(record: dict) -> tuple[str, str]:
 def fidelity(record: dict) -> tuple[str, str]:
     ran_on = (f"{record['device_name']} ({record['device']}), torch {record['torch']}, Python "
               f"{record['python']}; {record['model']}, {record['windows']} windows; "
-              f"`{record['command']}`")
+              + "; ".join(f"`{c}`" for c in record.get("commands", [record.get("command")])))
     rows = [[r["cache"], r["path"], f"{r['ppl_text']:.4f}", f"{r['ppl_prefill']:.4f}",
-             f"{r['ppl_decode']:.4f}", f"{r['greedy_agreement']:.0%}", str(r["sites"])]
+             f"{r['ppl_decode']:.4f}", f"{r['greedy_agreement']:.1%}", str(r["sites"])]
             for r in record["runs"]]
     head = ["KV cache", "path", "perplexity", "prefill tokens", "decoded tokens",
             "greedy tokens as eager fp32", "sites rewritten"]
