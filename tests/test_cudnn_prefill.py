@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.cases import Case, make_case
 from helpers.cuda_cases import replayed
+from helpers.prefill import VARLEN_CASES, named_varlen_case, varlen_case
 
 from pagedfuse.numerics import rel_err
 
@@ -29,13 +30,6 @@ pytestmark = pytest.mark.cuda
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
 
-def _varlen(q_lens: list[int], histories: list[int], **spec) -> Case:
-    """A causal bf16 CUDA batch: sequences with these query lengths after these histories."""
-    return make_case(seq_lens=[q + h for q, h in zip(q_lens, histories, strict=True)],
-                     q_lens=q_lens, **{"causal": True, "dtype": torch.bfloat16,
-                                       "device": "cuda", **spec})
-
-
 def _run(case: Case, hinted: bool = True) -> torch.Tensor:
     """The backend straight into a NaN-filled output, after checking that it takes the call."""
     hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query) if hinted else {}
@@ -44,27 +38,9 @@ def _run(case: Case, hinted: bool = True) -> torch.Tensor:
     return case.run_backend(backend, **hints)
 
 
-CASES = {
-    "llama3-varlen-page16": dict(q_lens=[1, 4, 17, 128, 2048], histories=[1000, 0, 1, 8192, 0],
-                                 num_q_heads=32, num_kv_heads=8, head_dim=128),
-    "qwen35-gqa6-hnd-page256": dict(q_lens=[17, 300, 4], histories=[1000, 0, 8192],
-                                    num_q_heads=24, num_kv_heads=4, head_dim=256,
-                                    block_size=256, layout="HND"),
-    "tinyllama-gqa8-fp16": dict(q_lens=[4, 128, 1, 33], histories=[1, 1000, 0, 8192],
-                                num_q_heads=32, num_kv_heads=4, head_dim=64,
-                                dtype=torch.float16),
-    "page1-gqa4": dict(q_lens=[5, 64], histories=[40, 0], num_q_heads=16, num_kv_heads=4,
-                       head_dim=128, block_size=1),
-    "mha-noncausal-int64": dict(q_lens=[64, 5], histories=[0, 100], num_q_heads=8,
-                                num_kv_heads=8, head_dim=128, causal=False,
-                                index_dtype=torch.int64),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_varlen_batches_match_reference(name, monkeypatch):
-    spec = dict(CASES[name])
-    case = _varlen(spec.pop("q_lens"), spec.pop("histories"), **spec)
+    case = named_varlen_case(name)
     want = case.reference()
     assert rel_err(_run(case), want) < TOL[case.query.dtype]
     monkeypatch.setenv("PAGEDFUSE_BACKEND", "cudnn_prefill")  # through the op too
@@ -73,7 +49,7 @@ def test_varlen_batches_match_reference(name, monkeypatch):
 
 
 def test_without_hints_the_buckets_come_from_the_shapes():
-    case = _varlen([3, 70, 9], [5, 0, 300], num_q_heads=16, num_kv_heads=4, head_dim=128)
+    case = varlen_case([3, 70, 9], [5, 0, 300], num_q_heads=16, num_kv_heads=4, head_dim=128)
     assert rel_err(_run(case, hinted=False), case.reference()) < 2e-2
 
 
@@ -92,7 +68,7 @@ def test_rows_without_keys_are_zero(layout, causal):
 
 
 def test_negative_block_ids_wrap():
-    case = _varlen([2, 7, 3], [11, 33, 297], num_q_heads=8, num_kv_heads=2, head_dim=128,
+    case = varlen_case([2, 7, 3], [11, 33, 297], num_q_heads=8, num_kv_heads=2, head_dim=128,
                    block_size=16, seed=3)
     table = case.block_table.clone()
     used = table < case.key_cache.shape[0]
@@ -145,7 +121,7 @@ def test_non_finite_inputs_follow_the_reference(where):
 
 
 def test_which_calls_it_declines():
-    base = _varlen([5, 3], [35, 27], num_q_heads=8, num_kv_heads=2, head_dim=128)
+    base = varlen_case([5, 3], [35, 27], num_q_heads=8, num_kv_heads=2, head_dim=128)
     backend = get_backend("cudnn_prefill")
 
     def why(case: Case, **hints) -> str:
@@ -161,8 +137,8 @@ def test_which_calls_it_declines():
     assert "scale" in why(base.with_(scale=-0.5))
     assert "window_left" in why(base.with_(window_left=8))
     assert "softcap" in why(base.with_(softcap=30.0))
-    assert "head_dim 96" in why(_varlen([5], [3], head_dim=96))
-    int8 = _varlen([5], [3], head_dim=128, kind="int8_kv")
+    assert "head_dim 96" in why(varlen_case([5], [3], head_dim=96))
+    int8 = varlen_case([5], [3], head_dim=128, kind="int8_kv")
     assert "no paged_attention_int8 kernel" in why(int8)
 
 
@@ -170,7 +146,7 @@ def test_the_op_chooses_it_only_when_forced(monkeypatch):
     """Priority 140, below triton_prefill: the op's own choice stays the Triton kernel."""
     from pagedfuse.ops.backends import choose, report_for
 
-    call = _varlen([600, 9], [0, 100], num_q_heads=16, num_kv_heads=4, head_dim=128).call()
+    call = varlen_case([600, 9], [0, 100], num_q_heads=16, num_kv_heads=4, head_dim=128).call()
     assert choose(call).name == "triton_prefill"
     report = report_for(call)
     assert report.chosen == "triton_prefill" and report.reasons["cudnn_prefill"] is None
@@ -184,7 +160,7 @@ def test_one_graph_per_size_bucket():
     spec = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, num_blocks=64)
     hints = dict(max_seq_len=512, max_query_len=64)
     backend = get_backend("cudnn_prefill")
-    cases = [_varlen(q_lens, hist, **spec, seed=seed) for seed, (q_lens, hist) in enumerate((
+    cases = [varlen_case(q_lens, hist, **spec, seed=seed) for seed, (q_lens, hist) in enumerate((
         ([40, 9, 3], [100, 0, 7]), ([64, 1, 2, 10], [300, 447, 0, 5]),
         ([2, 50, 33], [0, 200, 0])))]
     assert rel_err(cases[0].run_backend(backend, **hints), cases[0].reference()) < 2e-2
@@ -201,7 +177,7 @@ def test_one_graph_per_size_bucket():
 def test_cuda_graph_replays():
     """100 replays give identical outputs; new query values and lengths (device tensors)
     reach the next replay: the handle follows the capturing stream, nothing is baked in."""
-    case = _varlen([200, 3, 64], [300, 900, 0], num_q_heads=32, num_kv_heads=8, head_dim=128)
+    case = varlen_case([200, 3, 64], [300, 900, 0], num_q_heads=32, num_kv_heads=8, head_dim=128)
     call = case.call(max_seq_len=1200, max_query_len=256)
     backend = get_backend("cudnn_prefill")
     out = torch.full_like(case.query, float("nan"))
@@ -226,7 +202,7 @@ def test_cuda_graph_replays():
 
 
 def test_no_host_synchronisation():
-    case = _varlen([33, 7], [100, 0], num_q_heads=16, num_kv_heads=4, head_dim=128)
+    case = varlen_case([33, 7], [100, 0], num_q_heads=16, num_kv_heads=4, head_dim=128)
     call = case.call(max_seq_len=256, max_query_len=64)
     out = torch.empty_like(case.query)
     get_backend("cudnn_prefill").run(call, out, None)  # builds first
@@ -250,7 +226,7 @@ def test_compiled_caller_with_a_varying_token_count(monkeypatch, fresh_dynamo):
     compiled = torch.compile(attend, dynamic=True)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for q_len in (17, 40, 100, 130):
-        case = _varlen([q_len, 5], [64, 31], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        case = varlen_case([q_len, 5], [64, 31], num_q_heads=8, num_kv_heads=2, head_dim=64,
                        seed=q_len)
         args = (case.query, case.key_cache, case.value_cache, case.block_table,
                 case.seq_lens, case.query_start_loc)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers.cases import Case, make_case
 from helpers.cuda_cases import replayed
+from helpers.prefill import VARLEN_CASES, named_varlen_case, varlen_case
 
 from pagedfuse.numerics import rel_err
 from pagedfuse.ops import prefill_plan as pp
@@ -24,14 +25,6 @@ from pagedfuse.ops import prefill_plan as pp
 cuda = pytest.mark.cuda
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 INT8_P_TOL = 3e-2  # P quantized to int8 per row: about 1/254 of a row's largest weight
-
-
-def _varlen(q_lens: list[int], histories: list[int], **spec) -> Case:
-    """A causal bf16 CUDA batch of sequences with these query lengths after these histories
-    (``spec``: make_case's other arguments)."""
-    return make_case(seq_lens=[q + h for q, h in zip(q_lens, histories, strict=True)],
-                     q_lens=q_lens, **{"causal": True, "dtype": torch.bfloat16,
-                                       "device": "cuda", **spec})
 
 
 def run_prefill(case: Case, plan: pp.PrefillPlan | None = None, hinted: bool = True,
@@ -45,34 +38,17 @@ def run_prefill(case: Case, plan: pp.PrefillPlan | None = None, hinted: bool = T
     return out
 
 
-CASES = {
-    # (q_len, history) pairs from the issue's lists, one mixed batch per geometry
-    "llama3-varlen-page16": dict(q_lens=[1, 4, 17, 128, 2048], histories=[1000, 0, 1, 8192, 0],
-                                 num_q_heads=32, num_kv_heads=8, head_dim=128),
-    "qwen35-gqa6-hnd-page256": dict(q_lens=[17, 300, 4], histories=[1000, 0, 8192],
-                                    num_q_heads=24, num_kv_heads=4, head_dim=256,
-                                    block_size=256, layout="HND"),
-    "tinyllama-gqa8-page1-fp16": dict(q_lens=[4, 128, 1], histories=[1, 1000, 0],
-                                      num_q_heads=32, num_kv_heads=4, head_dim=64,
-                                      block_size=1, dtype=torch.float16),
-    "mha-noncausal-int64": dict(q_lens=[64, 5], histories=[0, 100], num_q_heads=8,
-                                num_kv_heads=8, head_dim=128, causal=False,
-                                index_dtype=torch.int64),
-}
-
-
 @cuda
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_prefill_matches_reference(name):
-    spec = dict(CASES[name])
-    case = _varlen(spec.pop("q_lens"), spec.pop("histories"), **spec)
+    case = named_varlen_case(name)
     assert rel_err(run_prefill(case), case.reference()) < TOL[case.query.dtype]
 
 
 @cuda
 def test_without_hints_every_tile_of_the_token_bound_is_masked():
     """No max_query_len: the grid covers num_tokens query rows per sequence, most exit."""
-    case = _varlen([3, 70, 9], [5, 0, 300], num_q_heads=16, num_kv_heads=4)
+    case = varlen_case([3, 70, 9], [5, 0, 300], num_q_heads=16, num_kv_heads=4)
     assert rel_err(run_prefill(case, hinted=False), case.reference()) < 2e-2
 
 
@@ -80,7 +56,7 @@ def test_without_hints_every_tile_of_the_token_bound_is_masked():
 @pytest.mark.parametrize(("kind", "pv"), [("int8_k", "half"), ("int8_kv", "half"),
                                         ("int8_kv", "int8")])
 def test_int8_matches_reference(kind, pv):
-    case = _varlen([17, 256, 1], [1000, 1, 40], num_q_heads=24, num_kv_heads=4, head_dim=128,
+    case = varlen_case([17, 256, 1], [1000, 1, 40], num_q_heads=24, num_kv_heads=4, head_dim=128,
                    kind=kind)
     plan = dataclasses.replace(pp.default_plan(case.call(max_query_len=256)), pv=pv)
     err = rel_err(run_prefill(case, plan), case.reference())
@@ -90,7 +66,7 @@ def test_int8_matches_reference(kind, pv):
 @cuda
 @pytest.mark.parametrize("d", [64, 256])
 def test_int8_head_dims(d):
-    case = _varlen([40, 130], [0, 500], num_q_heads=32, num_kv_heads=8, head_dim=d,
+    case = varlen_case([40, 130], [0, 500], num_q_heads=32, num_kv_heads=8, head_dim=d,
                    kind="int8_kv")
     assert rel_err(run_prefill(case), case.reference()) < 2e-2
 
@@ -103,14 +79,14 @@ def test_attn_bias(kind):
     gen = torch.Generator().manual_seed(1)
     bias = (torch.randn(2, 16, rows, cols, generator=gen) if kind == "float"
             else torch.rand(1, rows, cols, generator=gen) > 0.3).cuda()
-    case = _varlen(q_lens, hist, num_q_heads=16, num_kv_heads=4, head_dim=128).with_(
+    case = varlen_case(q_lens, hist, num_q_heads=16, num_kv_heads=4, head_dim=128).with_(
         attn_bias=bias)
     assert rel_err(run_prefill(case), case.reference()) < 2e-2
 
 
 @cuda
 def test_min_query_len_leaves_decode_rows_for_another_kernel():
-    case = _varlen([1, 33, 1, 5], [700, 10, 0, 90], num_q_heads=16, num_kv_heads=4,
+    case = varlen_case([1, 33, 1, 5], [700, 10, 0, 90], num_q_heads=16, num_kv_heads=4,
                    head_dim=128)
     out = run_prefill(case, min_query_len=2)
     starts = case.query_start_loc.tolist()
@@ -127,7 +103,7 @@ def test_cuda_graph_replays():
     are seen by the next replay: nothing was baked in at capture."""
     from pagedfuse.ops.triton_prefill import prefill_into
 
-    case = _varlen([200, 3, 64], [300, 900, 0], num_q_heads=32, num_kv_heads=8, head_dim=128,
+    case = varlen_case([200, 3, 64], [300, 900, 0], num_q_heads=32, num_kv_heads=8, head_dim=128,
                    kind="int8_kv")
     call = case.call(max_seq_len=1200, max_query_len=256)
     out = torch.full_like(case.query, float("nan"))
@@ -219,7 +195,7 @@ def test_varlen_without_hints_takes_two_launches(kind, geo):
     """q_len 1, 4, 17 and 128 in one batch with no length hints: the short sequences go to
     the packed launch (GQA 6 packs all 6 heads), the rest to the tiled one."""
     hq, hkv, d = geo
-    case = _varlen([1, 4, 17, 128, 1], [1000, 8192, 0, 1, 3], num_q_heads=hq, num_kv_heads=hkv,
+    case = varlen_case([1, 4, 17, 128, 1], [1000, 8192, 0, 1, 3], num_q_heads=hq, num_kv_heads=hkv,
                    head_dim=d, kind=kind)
     assert len(pp.default_plans(case.call())) == 2
     assert rel_err(run_prefill(case, hinted=False), case.reference()) < 2e-2
@@ -230,7 +206,7 @@ def test_varlen_without_hints_takes_two_launches(kind, geo):
 def test_key_splits_merge_to_the_reference(kind):
     """Short queries over long histories with the keys split (the default for a small
     batch) and with a split count that does not divide the key tiles."""
-    case = _varlen([4, 2, 1], [5000, 0, 8192], num_q_heads=24, num_kv_heads=4, head_dim=128,
+    case = varlen_case([4, 2, 1], [5000, 0, 8192], num_q_heads=24, num_kv_heads=4, head_dim=128,
                    kind=kind)
     call = case.call(case.longest, case.longest_query)
     assert pp.default_plans(call)[0].splits > 1

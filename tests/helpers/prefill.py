@@ -1,11 +1,46 @@
-"""Building a PagedCall straight from tensors, as the op's validation would (the prefill
-kernels' tests and benchmark call the kernel without the op around it)."""
+"""What the prefill kernels' tests share: a PagedCall built straight from tensors, as the op's
+validation would (the tests and the benchmark call kernels without the op around it), and
+the varlen batches every prefill backend is held to."""
 
 from __future__ import annotations
 
 import torch
 
+from helpers.cases import Case, make_case
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, Geometry, PagedCall
+
+# (q_len, history) pairs from issue 22's lists (q_len 1, 4, 17, 128, 2048; histories 0, 1,
+# 1000, 8192), over head_dim 64/128/256, GQA 1/4/6/8, pages 1/16/256, NHD and HND, bf16 and
+# fp16, int32 and int64 indices, causal or not.
+VARLEN_CASES = {
+    "llama3-varlen-page16": dict(q_lens=[1, 4, 17, 128, 2048], histories=[1000, 0, 1, 8192, 0],
+                                 num_q_heads=32, num_kv_heads=8, head_dim=128),
+    "qwen35-gqa6-hnd-page256": dict(q_lens=[17, 300, 4], histories=[1000, 0, 8192],
+                                    num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                    block_size=256, layout="HND"),
+    "tinyllama-gqa8-fp16": dict(q_lens=[4, 128, 1, 33], histories=[1, 1000, 0, 8192],
+                                num_q_heads=32, num_kv_heads=4, head_dim=64,
+                                dtype=torch.float16),
+    "page1-gqa4": dict(q_lens=[5, 64], histories=[40, 0], num_q_heads=16, num_kv_heads=4,
+                       head_dim=128, block_size=1),
+    "mha-noncausal-int64": dict(q_lens=[64, 5], histories=[0, 100], num_q_heads=8,
+                                num_kv_heads=8, head_dim=128, causal=False,
+                                index_dtype=torch.int64),
+}
+
+
+def varlen_case(q_lens: list[int], histories: list[int], **spec) -> Case:
+    """A causal bf16 CUDA batch of sequences with these query lengths after these histories
+    (``spec``: make_case's other arguments, which override those)."""
+    return make_case(seq_lens=[q + h for q, h in zip(q_lens, histories, strict=True)],
+                     q_lens=q_lens, **{"causal": True, "dtype": torch.bfloat16,
+                                       "device": "cuda", **spec})
+
+
+def named_varlen_case(name: str, **spec) -> Case:
+    """VARLEN_CASES[name] (``spec`` overrides or adds make_case arguments)."""
+    table = {**VARLEN_CASES[name], **spec}
+    return varlen_case(table.pop("q_lens"), table.pop("histories"), **table)
 
 
 def paged_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
