@@ -51,7 +51,8 @@ EVENTS = (("mma", re.compile(r"wgmma\.mma_async")), ("commit", re.compile(r"wgmm
           ("wait", re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")),
           ("ex2", re.compile(r"\bex2\.approx")), ("cp", re.compile(r"cp\.async\.c[ag]\.")),
           ("cpwait", re.compile(r"cp\.async\.wait_group\s+(\d+)")),
-          ("bar", re.compile(r"\b(bar|barrier)\.sync")), ("mbar", re.compile(r"mbarrier\.")))
+          ("bar", re.compile(r"\b(bar|barrier)\.sync")), ("mbar", re.compile(r"mbarrier\.")),
+          ("tma", re.compile(r"cp\.async\.bulk\.tensor")))
 
 
 class _TargetOnly:
@@ -139,7 +140,7 @@ def compile_gluon(call, plan, capability: int = 90):
     saved = driver._active
     driver.set_active(_TargetOnly(capability))
     try:
-        return gp.gluon_prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+        return launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
     finally:
         driver._active = saved
 
@@ -224,35 +225,42 @@ def decode_rows() -> list[dict]:
 
 
 def loop_schedule(ptx: str) -> dict:
-    """The first loop that issues wgmma (the key loop without masks; the masked loop comes
-    after it): its events in one iteration's execution order, run-length coded ("mma x4" is
-    four wgmma), and whether the softmax waits for its Q·K^T."""
+    """The innermost loop that issues wgmma, the first of those (the key loop without masks:
+    the masked loop comes after it; in a warp-specialized kernel, a consumer's key loop,
+    which may sit inside the loop a worker warp waits in): its events in one iteration's
+    execution order, run-length coded ("mma x4" is four wgmma), and whether the softmax
+    waits for its Q·K^T."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"\s*(\$L__\w+):", line))}
     starts = sorted(labels.values())
-    # LLVM marks a loop's first block "=>This Inner Loop Header" on or after its label line
-    headers = [max(j for j in starts if j <= i) for i, line in enumerate(lines)
-               if "Loop Header" in line]
-    for header in headers:
+    # LLVM marks a loop's first block "=>This (Inner) Loop Header: Depth=N"
+    # on or after its label line
+    headers = [(max(j for j in starts if j <= i), int(m.group(1)))
+               for i, line in enumerate(lines) if (m := re.search(r"Loop Header: Depth=(\d+)",
+                                                                  line))]
+    found = []
+    for header, depth in headers:
         seq = []
         for body in _iteration(lines, labels, header):
             for name, rx in EVENTS:
                 if hit := rx.search(body):
                     seq.append(name + (hit.group(1) if name in ("wait", "cpwait") else ""))
-        if "mma" not in seq:
-            continue
-        runs: list[list] = []
-        for e in seq:
-            if runs and runs[-1][0] == e:
-                runs[-1][1] += 1
-            else:
-                runs.append([e, 1])
-        first_mma = seq.index("mma")
-        first_ex2 = seq.index("ex2", first_mma) if "ex2" in seq[first_mma:] else len(seq)
-        return {"loop": " ".join(e if n == 1 else f"{e} x{n}" for e, n in runs),
-                "qk_wait_before_softmax": "wait0" in seq[first_mma:first_ex2]}
-    return {"loop": None, "qk_wait_before_softmax": None}
+        if "mma" in seq:
+            found.append((-depth, header, seq))
+    if not found:
+        return {"loop": None, "qk_wait_before_softmax": None}
+    _, _, seq = min(found)
+    runs: list[list] = []
+    for e in seq:
+        if runs and runs[-1][0] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    first_mma = seq.index("mma")
+    first_ex2 = seq.index("ex2", first_mma) if "ex2" in seq[first_mma:] else len(seq)
+    return {"loop": " ".join(e if n == 1 else f"{e} x{n}" for e, n in runs),
+            "qk_wait_before_softmax": "wait0" in seq[first_mma:first_ex2]}
 
 
 def inspect(kernel, ptxas: bool = True) -> dict:
