@@ -182,20 +182,26 @@ CASES = {
     "page32": dict(q_lens=[129, 1, 40], histories=[0, 1000, 1], block_size=32),
     "page1": dict(q_lens=[33, 4, 17], histories=[100, 0, 1], block_size=1),
 }
-# each pipeline's plans beside the default: one consumer (ws) or 4 warps (cp), 64-key tiles
-VARIANTS = {"ws": (dict(), dict(block_m=64), dict(block_n=64, stages=4)),
-            "cp": (dict(stages=3), dict(block_n=64, stages=4))}
+PIPELINES = ("ws", "cp")
+# other tile shapes, on one case (each plan is its own compile): one consumer warpgroup
+# (ws) or 4 warps (cp), and 64-key tiles
+VARIANTS = {"ws": (dict(block_m=64), dict(block_n=64, stages=4)),
+            "cp": (dict(block_m=64), dict(block_n=64, stages=4))}
+
+
+def _gpu_case(name: str):
+    spec = dict(CASES[name])
+    case = _int8k(spec.pop("q_lens"), spec.pop("histories"), device="cuda", **spec)
+    return case, dict(max_seq_len=case.longest, max_query_len=case.longest_query)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipeline", list(VARIANTS))
+@pytest.mark.parametrize("pipeline", PIPELINES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_varlen_batches_match_the_reference(gb, name, pipeline, monkeypatch):
     if why := _gpu_ready(gb):
         pytest.skip(why)
-    spec = dict(CASES[name])
-    case = _int8k(spec.pop("q_lens"), spec.pop("histories"), device="cuda", **spec)
-    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    case, hints = _gpu_case(name)
     call = case.call(**hints)
     assert reason(gb.BACKEND, call) is None
     if pipeline == "ws" and (why := gb.tma_unsupported(call, 128)):
@@ -203,16 +209,30 @@ def test_varlen_batches_match_the_reference(gb, name, pipeline, monkeypatch):
         pytest.skip(why)
     want = case.reference()
     tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
-    for variant in VARIANTS[pipeline]:
-        plan = gb.make_plan(call, pipeline=pipeline, **variant)
-        got = case.run_backend(gb.BACKEND, plan, **hints)  # into a NaN-filled output
-        assert numerics.rel_err(got, want) <= tol, plan
-    monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
-    assert numerics.rel_err(case.run_op(**hints), want) <= tol
+    plan = gb.make_plan(call, pipeline=pipeline)
+    got = case.run_backend(gb.BACKEND, plan, **hints)  # into a NaN-filled output
+    assert numerics.rel_err(got, want) <= tol, plan
+    if plan == gb.default_plan(call):
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+        assert numerics.rel_err(case.run_op(**hints), want) <= tol
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipeline", list(VARIANTS))
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_other_tile_shapes_match_the_reference(gb, pipeline):
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case, hints = _gpu_case("gqa4-varlen")
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    for variant in VARIANTS[pipeline]:
+        plan = gb.make_plan(case.call(**hints), pipeline=pipeline, **variant)
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pipeline", PIPELINES)
 def test_cuda_graph_replays(gb, pipeline):
     """100 replays of a captured launch give the eager output, and a replay reads new
     inputs: no host synchronisation, and the TMA descriptors captured as parameters stay
@@ -221,9 +241,10 @@ def test_cuda_graph_replays(gb, pipeline):
         pytest.skip(why)
     case = _int8k([300, 4, 17, 1], [1000, 1, 0, 200], device="cuda", seed=2)
     hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
-    plan = gb.make_plan(case.call(**hints), pipeline=pipeline)
+    call = case.call(**hints)
+    plan = gb.make_plan(call, pipeline=pipeline)
     out = torch.full_like(case.query, float("nan"))
-    run = lambda: gb.run(case.call(**hints), out, plan)  # noqa: E731
+    run = lambda: gb.run(call, out, plan)  # noqa: E731
     run()
     eager = out.clone()
     torch.cuda.synchronize()
@@ -239,7 +260,7 @@ def test_cuda_graph_replays(gb, pipeline):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipeline", list(VARIANTS))
+@pytest.mark.parametrize("pipeline", PIPELINES)
 def test_rows_without_keys_are_zero_and_no_hint_is_needed(gb, pipeline):
     """5 tokens over 3 keys (under causal the first two read none), 2 tokens over no key,
     70 over 110: zeros where the reference has them, no length hints."""
