@@ -593,27 +593,23 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     kc, vc, ks = call.key_cache, call.value_cache, call.key_scale
     tiles = triton.cdiv(call.query_bound, plan.tokens)
     grid = (g.num_q_heads // plan.pack, tiles, g.batch)
-    head = (q, q_scale)
-    caches = (kc, vc)
-    if plan.pipeline == "ws":
-        box = min(g.block_size, plan.block_n)
-        head = (q, q_scale, _descriptor(kc, box), _descriptor(vc, box))
-    args = (
-        *head, *caches, ks, call.block_table, call.seq_lens, call.query_start_loc, out,
-        call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
-        q.stride(0), q.stride(1), *q_scale.stride(), *kc.stride()[:3], *vc.stride()[:3],
-        *ks.stride(), *call.block_table.stride(),
-    )
+    kernel, descriptors = gluon_prefill_kernel, ()
     options = dict(
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,
         COPY_TPW_D=min(g.head_dim // 16, 32), num_warps=plan.num_warps,
     )
-    kernel = gluon_prefill_kernel
     if plan.pipeline == "ws":
-        kernel = ws_prefill_kernel
+        box = min(g.block_size, plan.block_n)
+        kernel, descriptors = ws_prefill_kernel, (_descriptor(kc, box), _descriptor(vc, box))
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                        maxnreg=plan.maxnreg)
+    args = (
+        q, q_scale, *descriptors, kc, vc, ks, call.block_table, call.seq_lens,
+        call.query_start_loc, out, call.scale * LOG2E, g.num_tokens, g.num_q_heads,
+        g.num_blocks, g.max_blocks, q.stride(0), q.stride(1), *q_scale.stride(),
+        *kc.stride()[:3], *vc.stride()[:3], *ks.stride(), *call.block_table.stride(),
+    )
     return Launch(kernel, grid, args, options)
 
 
