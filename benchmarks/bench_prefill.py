@@ -7,15 +7,20 @@ last tokens). Side by side in one run: SDPA on contiguous K/V with GQA pre-expan
 FlexAttention compiled with a lower-right causal block mask (contiguous K/V, GQA), the eager
 gather + SDPA code users write, today's pagedfuse op (bf16 and INT8 K+V), and the prefill
 kernels (triton_prefill.py): bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers,
-P·V in bf16) and INT8 K+V with int8 P. Times are medians of triton.testing.do_bench (its
-L2 clear between calls). TFLOP/s counts causal pairs only (4 * D * Hq per pair); for INT8
-entries it is TOP/s of the same count. Errors are ||out - ref|| / ||ref|| against fp32
-attention on the unquantized K/V; for INT8 entries "deq err" is the error of fp32
-dequantize-then-attend on the same INT8 cache (the quantization's own share).
+P·V in bf16) and INT8 K+V with int8 P, and the Gluon INT8 K kernels (gluon_prefill.py, both
+pipelines: "ws" warp-specialized with TMA, "cp" cp.async; a case the backend declines, e.g.
+head_dim 256, records its reason as the entry's error). Times are medians of
+triton.testing.do_bench (its L2 clear between calls). TFLOP/s counts causal pairs only
+(4 * D * Hq per pair); for INT8 entries it is TOP/s of the same count. Errors are
+||out - ref|| / ||ref|| against fp32 attention on the unquantized K/V; for INT8 entries
+"deq err" is the error of fp32 dequantize-then-attend on the same INT8 cache (the
+quantization's own share).
 
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
     python benchmarks/bench_prefill.py --replot out.json --plot prefill.png   # no GPU
+    python benchmarks/bench_prefill.py --no-flex --no-mixed --methods "prefill INT8 K" \
+        "gluon INT8 K ws" "gluon INT8 K cp"   # only these entries
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ KERNELS = {  # name -> (cache kind, P·V mode)
     "prefill INT8 K": ("int8_k", "half"),
     "prefill INT8 K+V": ("int8_kv", "half"),
 }
+GLUON = {"gluon INT8 K ws": "ws", "gluon INT8 K cp": "cp"}  # name -> GluonPlan.pipeline
 # --pv-int8 adds this: on the H200 1.4-3.3x slower than "half" with 1.3-1.7x its error
 # (benchmarks/results/prefill_h200_2026-12-01_pv_int8.json), since int8 wgmma needs V
 # K-major and the cache's V rows are not
@@ -221,6 +227,20 @@ def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
     return out
 
 
+def gluon_prefill(case: Case, pipeline: str) -> torch.Tensor:
+    """The Gluon INT8 K kernel (backend ``gluon_prefill``) with ``pipeline``'s default plan;
+    a call the backend declines raises with its reason."""
+    from pagedfuse.ops.backends import gluon_prefill as gb
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    call = case.call("int8_k")
+    if why := gb.supports(call):
+        raise ValueError(f"gluon_prefill declines: {why}")
+    out = torch.empty_like(case.q)
+    prefill_into(call, out, gb.make_plan(call, pipeline=pipeline))
+    return out
+
+
 def split_kv(case: Case, kind: str) -> torch.Tensor:
     """The split-KV Triton kernel (backend ``triton``) on this case."""
     from pagedfuse.ops.backends import triton as split_kv_backend
@@ -254,6 +274,8 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
         shape = plans.get((case.geo, kind))
         plan = plan_for(case.call(kind), pv, shape) if shape or pv != "half" else None
         out[name] = (kind, "thd", lambda kind=kind, plan=plan: prefill(case, kind, plan))
+    for name, pipeline in GLUON.items():
+        out[name] = ("int8_k", "thd", lambda p=pipeline: gluon_prefill(case, p))
     return out
 
 
@@ -370,6 +392,8 @@ def run_cases(args, plans: dict) -> list[dict]:
             use_flex = flex is not None and time.time() < deadline - args.flex_reserve
             for name, (kind, layout, fn) in methods(case, flex if use_flex else None,
                                                     plans).items():
+                if args.methods and name not in args.methods:
+                    continue
                 row = {"geometry": gname, "geo": list(geo), "batch": batch,
                        "seq_len": seq_len, "q_len": q_len, "method": name, "kind": kind}
                 if time.time() > deadline:
@@ -628,6 +652,8 @@ def main() -> None:
     ap.add_argument("--flex-reserve", type=float, default=120,
                     help="stop compiling FlexAttention this many seconds before the budget")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--methods", nargs="+",
+                    help="time only the entries of these names (default: all)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.replot:
@@ -660,7 +686,9 @@ def main() -> None:
         rows = run_sweep(args) + run_short_sweep(args)
     else:
         jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)), {})
-                for g in args.geometries for c in args.cases for kind, pv in KERNELS.values()]
+                for g in args.geometries for c in args.cases
+                for name, (kind, pv) in KERNELS.items()
+                if not args.methods or name in args.methods]
         precompile(jobs, args.workers)
         rows = run_cases(args, plans)
         print(table(rows))

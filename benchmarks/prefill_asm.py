@@ -13,7 +13,11 @@ target, so this runs on any machine with Triton installed; on the H200 bench_pre
 
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
     python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
-    python benchmarks/prefill_asm.py --kernel gluon  # the Gluon INT8 K kernel (head_dim 128)
+    python benchmarks/prefill_asm.py --kernel gluon  # the Gluon INT8 K kernels (head_dim 128)
+
+``--json PATH`` writes the rows of the kernel compiled into the record at PATH, replacing that
+kernel's rows and keeping the others' (benchmarks/results/prefill_asm_sm90.json holds the
+Triton prefill's default plans and the Gluon kernels' plans).
     python benchmarks/prefill_asm.py --kernel decode # the split-KV decode (backend triton)
 """
 
@@ -51,7 +55,8 @@ EVENTS = (("mma", re.compile(r"wgmma\.mma_async")), ("commit", re.compile(r"wgmm
           ("wait", re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")),
           ("ex2", re.compile(r"\bex2\.approx")), ("cp", re.compile(r"cp\.async\.c[ag]\.")),
           ("cpwait", re.compile(r"cp\.async\.wait_group\s+(\d+)")),
-          ("bar", re.compile(r"\b(bar|barrier)\.sync")), ("mbar", re.compile(r"mbarrier\.")))
+          ("bar", re.compile(r"\b(bar|barrier)\.sync")), ("mbar", re.compile(r"mbarrier\.")),
+          ("tma", re.compile(r"cp\.async\.bulk\.tensor")))
 
 
 class _TargetOnly:
@@ -139,20 +144,22 @@ def compile_gluon(call, plan, capability: int = 90):
     saved = driver._active
     driver.set_active(_TargetOnly(capability))
     try:
-        return gp.gluon_prefill_kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
+        return launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.options)
     finally:
         driver._active = saved
 
 
 def gluon_rows(q_len: int) -> list[dict]:
-    """The Gluon kernel's plans at llama3_8b INT8 K: the default for ``q_len`` and the other
-    tile shapes it takes."""
+    """The Gluon kernels' plans at llama3_8b INT8 K: the default for ``q_len`` (the
+    warp-specialized "ws" pipeline), its one-consumer and 64-key variants, and the cp.async
+    "cp" pipeline's default and 64-key plans."""
     from pagedfuse.ops.backends import gluon_prefill as gb
 
     call = small_call(GEOMETRIES["llama3_8b"], "int8_k", q_len)
     first = gb.default_plan(call)
-    plans = [first] + [p for p in (gb.make_plan(call, block_n=64, stages=4),
-                                   gb.make_plan(call, block_m=64)) if p != first]
+    variants = (dict(block_m=64), dict(block_n=64, stages=4), dict(pipeline="cp", stages=3),
+                dict(pipeline="cp", block_n=64, stages=4))
+    plans = [first] + [p for p in (gb.make_plan(call, **v) for v in variants) if p != first]
     rows = []
     for plan in plans:
         try:
@@ -224,35 +231,42 @@ def decode_rows() -> list[dict]:
 
 
 def loop_schedule(ptx: str) -> dict:
-    """The first loop that issues wgmma (the key loop without masks; the masked loop comes
-    after it): its events in one iteration's execution order, run-length coded ("mma x4" is
-    four wgmma), and whether the softmax waits for its Q·K^T."""
+    """The innermost loop that issues wgmma, the first of those (the key loop without masks:
+    the masked loop comes after it; in a warp-specialized kernel, a consumer's key loop,
+    which may sit inside the loop a worker warp waits in): its events in one iteration's
+    execution order, run-length coded ("mma x4" is four wgmma), and whether the softmax
+    waits for its Q·K^T."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"\s*(\$L__\w+):", line))}
     starts = sorted(labels.values())
-    # LLVM marks a loop's first block "=>This Inner Loop Header" on or after its label line
-    headers = [max(j for j in starts if j <= i) for i, line in enumerate(lines)
-               if "Loop Header" in line]
-    for header in headers:
+    # LLVM marks a loop's first block "=>This (Inner) Loop Header: Depth=N"
+    # on or after its label line
+    headers = [(max(j for j in starts if j <= i), int(m.group(1)))
+               for i, line in enumerate(lines) if (m := re.search(r"Loop Header: Depth=(\d+)",
+                                                                  line))]
+    found = []
+    for header, depth in headers:
         seq = []
         for body in _iteration(lines, labels, header):
             for name, rx in EVENTS:
                 if hit := rx.search(body):
                     seq.append(name + (hit.group(1) if name in ("wait", "cpwait") else ""))
-        if "mma" not in seq:
-            continue
-        runs: list[list] = []
-        for e in seq:
-            if runs and runs[-1][0] == e:
-                runs[-1][1] += 1
-            else:
-                runs.append([e, 1])
-        first_mma = seq.index("mma")
-        first_ex2 = seq.index("ex2", first_mma) if "ex2" in seq[first_mma:] else len(seq)
-        return {"loop": " ".join(e if n == 1 else f"{e} x{n}" for e, n in runs),
-                "qk_wait_before_softmax": "wait0" in seq[first_mma:first_ex2]}
-    return {"loop": None, "qk_wait_before_softmax": None}
+        if "mma" in seq:
+            found.append((-depth, header, seq))
+    if not found:
+        return {"loop": None, "qk_wait_before_softmax": None}
+    _, _, seq = min(found)
+    runs: list[list] = []
+    for e in seq:
+        if runs and runs[-1][0] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    first_mma = seq.index("mma")
+    first_ex2 = seq.index("ex2", first_mma) if "ex2" in seq[first_mma:] else len(seq)
+    return {"loop": " ".join(e if n == 1 else f"{e} x{n}" for e, n in runs),
+            "qk_wait_before_softmax": "wait0" in seq[first_mma:first_ex2]}
 
 
 def inspect(kernel, ptxas: bool = True) -> dict:
@@ -302,33 +316,38 @@ def main() -> None:
     ap.add_argument("--plans", choices=("default", "sweep"), default="default")
     ap.add_argument("--q-len", type=int, default=2048)
     ap.add_argument("--kernel", choices=("triton", "gluon", "decode"), default="triton")
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", help="the record to write this kernel's rows into")
     args = ap.parse_args()
     if args.kernel != "triton":
         rows = gluon_rows(args.q_len) if args.kernel == "gluon" else decode_rows()
         for row in rows:
             print(json.dumps(row), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return
-    rows = []
-    for name, geo in GEOMETRIES.items():
-        for kind in KINDS:
-            call = small_call(geo, kind, args.q_len)
-            plans = [pp.default_plan(call)]
-            if args.plans == "sweep":
-                plans += [p for p in sweep_plans(geo[2]) if p != plans[0]]
-            for plan in plans:
-                try:
-                    info = inspect(compile_plan(call, plan))
-                except Exception as exc:  # a plan over the shared-memory limit, say
-                    info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                row = {"geometry": name, "kind": kind, "plan": plan.__dict__, **info}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    else:
+        rows = []
+        for name, geo in GEOMETRIES.items():
+            for kind in KINDS:
+                call = small_call(geo, kind, args.q_len)
+                plans = [pp.default_plan(call)]
+                if args.plans == "sweep":
+                    plans += [p for p in sweep_plans(geo[2]) if p != plans[0]]
+                for plan in plans:
+                    try:
+                        info = inspect(compile_plan(call, plan))
+                    except Exception as exc:  # a plan over the shared-memory limit, say
+                        info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                    row = {"geometry": name, "kind": kind, "plan": plan.__dict__, **info}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_record(Path(args.json), rows, args.kernel)
 
+
+def write_record(path: Path, rows: list[dict], kernel: str) -> None:
+    """``rows`` replace the rows of ``kernel`` in the record at ``path``; the other kernels'
+    rows stay (a Triton row has no "kernel" field)."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    kept = [r for r in old if r.get("kernel", "triton") != kernel]
+    path.write_text(json.dumps(kept + rows, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,14 @@
 """The ``gluon_prefill`` backend (INT8 K prefill in Gluon for sm_90, pagedfuse/ops/
-gluon_prefill.py).
+gluon_prefill.py), both pipelines: "ws" (warp-specialized, TMA) and "cp" (cp.async).
 
-On the CPU: which calls it declines and why, its launch plans and their checks, and that
-the backend module imports without Triton. On an sm_90 GPU (marked ``cuda``): varlen INT8 K
-batches (q_len 1..300, histories 0..2000, pages of 16, GQA 4 and 8, head_dim 128) against
-the float64 reference into NaN-poisoned outputs, directly, through the op with
-PAGEDFUSE_BACKEND and through the shared conformance runner.
+On the CPU: which calls it declines and why, which caches the TMA boxes cannot load (and
+that the default plan then takes "cp"), its launch plans, their checks and register budget,
+and that the backend module imports without Triton. On an sm_90 GPU (marked ``cuda``):
+varlen INT8 K batches (q_len 1, 4, 17, 128, 2048 and others, histories 0, 1, 1000 and
+others, causal or not, pages of 1, 16, 32 and 256, NHD and HND, GQA 4 and 8, head_dim 128)
+against the float64 reference into NaN-poisoned outputs, for each pipeline and tile shape,
+directly, through the op with PAGEDFUSE_BACKEND and through the shared conformance runner;
+and 100 CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import torch
 from helpers.cases import make_case
 from helpers.conformance import GridCase, run_case
+from helpers.cuda_cases import replayed
 
 from pagedfuse import numerics
 from pagedfuse.ops.backends import all_backends, reason, unregister_backend
@@ -75,15 +79,67 @@ def test_supports_names_the_device_and_the_missing_options_first(gb):
 def test_default_plan(gb, q_lens, group, plan):
     case = _int8k(q_lens, [10, 10], num_q_heads=4 * group, num_kv_heads=4)
     got = gb.default_plan(case.call(max_query_len=max(q_lens)))
-    assert (got.block_m, got.pack) == plan
-    assert got.num_warps == got.block_m // 16 and got.tokens == got.block_m // got.pack
+    assert (got.block_m, got.pack, got.pipeline) == (*plan, "ws")
+    assert got.num_warps == 4 and got.tokens == got.block_m // got.pack
+    cp = gb.make_plan(case.call(max_query_len=max(q_lens)), pipeline="cp")
+    assert cp.num_warps == cp.block_m // 16
+
+
+@pytest.mark.parametrize(("spec", "ws"), [
+    (dict(), True),  # NHD, page 16: a page of a head is a [16, D] box at (row, head * D)
+    (dict(layout="HND"), True),  # its page is 16 consecutive rows of a [*, D] view
+    (dict(block_size=256), True),  # one 128-key box from inside the page
+    (dict(block_size=32), True),
+    (dict(block_size=1), False),  # one box per key
+    (dict(block_size=24), False),  # 128-key tiles would split a page
+])
+def test_the_default_plan_takes_tma_where_the_pages_allow_it(gb, spec, ws):
+    call = _int8k([130, 3], [7, 300], **spec).call()
+    why = gb.tma_unsupported(call, 128)
+    assert (why is None) == ws, why
+    assert gb.default_plan(call).pipeline == ("ws" if ws else "cp")
+    if not ws:
+        assert why.startswith(f"page size {spec['block_size']}: the TMA boxes need")
+        with pytest.raises(ValueError, match=r"plan: pipeline 'ws': page size"):
+            gb.make_plan(call, pipeline="ws")
+
+
+def test_caches_a_tma_view_cannot_address_are_named(gb):
+    """Blocks padded by 16 bytes start between rows of the token-stride view; K and V pages
+    interleaved in one tensor ([blocks, 2, page, H, D]) do not."""
+    case = _int8k([5, 3], [7, 20])
+    k = case.key_cache
+    nb, page, h, d = k.shape
+    padded = torch.zeros(nb, page * h * d + 16, dtype=k.dtype).as_strided(
+        k.shape, (page * h * d + 16, h * d, d, 1))
+    padded.copy_(k)
+    why = gb.tma_unsupported(case.with_(key_cache=padded).call(), 128)
+    assert why.startswith(f"key_cache: strides ({page * h * d + 16}, {h * d}, {d}, 1)")
+    assert "a block stride that is a multiple of the token stride" in why
+    assert gb.default_plan(case.with_(key_cache=padded).call()).pipeline == "cp"
+    pair = torch.stack([k, k], dim=1)[:, 0]
+    assert gb.tma_unsupported(case.with_(key_cache=pair).call(), 128) is None
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_ws_register_budget_fits_the_register_file(gb, block_m):
+    """Every warpgroup of a "ws" CTA gets maxnreg registers per thread at launch; setmaxnreg
+    moves them from the producer's warpgroup to the consumers, within that total and the
+    SM's 64K."""
+    plan = gb.GluonPlan(block_m=block_m)
+    consumers = block_m // 64
+    total = plan.maxnreg * 128 * (consumers + 1)
+    need = 128 * (consumers * gb.CONSUMER_REGS + gb.PRODUCER_REGS)
+    assert need <= total <= 65536 and plan.maxnreg % 8 == 0
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(block_m=32), "plan: block_m 32 not in (64, 128)"),
     (dict(block_n=256), "plan: block_n 256 not in (64, 128)"),
     (dict(pack=3), "plan: pack 3 must divide the GQA group 4"),
-    (dict(stages=2), "plan: stages 2 must be >= 3"),
+    (dict(stages=1), "plan: stages 1 must be >= 2 for pipeline 'ws'"),
+    (dict(pipeline="cp", stages=2), "plan: stages 2 must be >= 3 for pipeline 'cp'"),
+    (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
 ])
 def test_bad_plans_are_refused_by_name(gb, overrides, message):
     call = _int8k([5, 3], [7, 20]).call()
@@ -113,42 +169,106 @@ def _gpu_ready(gb) -> str | None:
 
 
 CASES = {
-    "gqa4-varlen": dict(q_lens=[1, 4, 17, 128, 300], histories=[2000, 0, 1, 1000, 0]),
-    "gqa8-varlen": dict(q_lens=[300, 2, 33, 129], histories=[1000, 2000, 0, 17],
+    "gqa4-varlen": dict(q_lens=[1, 4, 17, 128, 2048], histories=[1000, 0, 1, 1000, 0]),
+    "gqa8-varlen": dict(q_lens=[300, 2, 33, 129, 17], histories=[1000, 2000, 0, 17, 1],
                         num_q_heads=32, num_kv_heads=4),
+    "gqa4-noncausal": dict(q_lens=[64, 5, 200, 1], histories=[0, 100, 300, 1000],
+                           causal=False),
     "gqa4-fp16-noncausal": dict(q_lens=[64, 5, 200], histories=[0, 100, 300],
                                 dtype=torch.float16, causal=False),
     "gqa8-hnd-int64": dict(q_lens=[7, 150], histories=[500, 3], num_q_heads=16,
                            num_kv_heads=2, layout="HND", index_dtype=torch.int64),
+    "page256": dict(q_lens=[300, 4, 17], histories=[1000, 1, 0], block_size=256),
+    "page32": dict(q_lens=[129, 1, 40], histories=[0, 1000, 1], block_size=32),
+    "page1": dict(q_lens=[33, 4, 17], histories=[100, 0, 1], block_size=1),
 }
+PIPELINES = ("ws", "cp")
+# other tile shapes, on one case (each plan is its own compile): one consumer warpgroup
+# (ws) or 4 warps (cp), and 64-key tiles
+VARIANTS = {"ws": (dict(block_m=64), dict(block_n=64, stages=4)),
+            "cp": (dict(block_m=64), dict(block_n=64, stages=4))}
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", list(CASES))
-def test_varlen_batches_match_the_reference(gb, name, monkeypatch):
-    if why := _gpu_ready(gb):
-        pytest.skip(why)
+def _gpu_case(name: str):
     spec = dict(CASES[name])
     case = _int8k(spec.pop("q_lens"), spec.pop("histories"), device="cuda", **spec)
-    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
-    assert reason(gb.BACKEND, case.call(**hints)) is None
-    want = case.reference()
-    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
-    for plan in (None, gb.make_plan(case.call(**hints), block_n=64, stages=4)):
-        got = case.run_backend(gb.BACKEND, plan, **hints)  # into a NaN-filled output
-        assert numerics.rel_err(got, want) <= tol, plan
-    monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
-    assert numerics.rel_err(case.run_op(**hints), want) <= tol
+    return case, dict(max_seq_len=case.longest, max_query_len=case.longest_query)
 
 
 @pytest.mark.cuda
-def test_rows_without_keys_are_zero_and_no_hint_is_needed(gb):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_varlen_batches_match_the_reference(gb, name, pipeline, monkeypatch):
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case, hints = _gpu_case(name)
+    call = case.call(**hints)
+    assert reason(gb.BACKEND, call) is None
+    if pipeline == "ws" and (why := gb.tma_unsupported(call, 128)):
+        assert gb.default_plan(call).pipeline == "cp"
+        pytest.skip(why)
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    plan = gb.make_plan(call, pipeline=pipeline)
+    got = case.run_backend(gb.BACKEND, plan, **hints)  # into a NaN-filled output
+    assert numerics.rel_err(got, want) <= tol, plan
+    if plan == gb.default_plan(call):
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+        assert numerics.rel_err(case.run_op(**hints), want) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_other_tile_shapes_match_the_reference(gb, pipeline):
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case, hints = _gpu_case("gqa4-varlen")
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    for variant in VARIANTS[pipeline]:
+        plan = gb.make_plan(case.call(**hints), pipeline=pipeline, **variant)
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_cuda_graph_replays(gb, pipeline):
+    """100 replays of a captured launch give the eager output, and a replay reads new
+    inputs: no host synchronisation, and the TMA descriptors captured as parameters stay
+    valid."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([300, 4, 17, 1], [1000, 1, 0, 200], device="cuda", seed=2)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    plan = gb.make_plan(call, pipeline=pipeline)
+    out = torch.full_like(case.query, float("nan"))
+    run = lambda: gb.run(call, out, plan)  # noqa: E731
+    run()
+    eager = out.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    outs = replayed(graph, out, 100)
+    assert all(torch.equal(o, eager) for o in outs)
+    case.query.copy_(torch.randn_like(case.query))
+    graph.replay()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    assert numerics.rel_err(out, case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_rows_without_keys_are_zero_and_no_hint_is_needed(gb, pipeline):
     """5 tokens over 3 keys (under causal the first two read none), 2 tokens over no key,
     70 over 110: zeros where the reference has them, no length hints."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
     case = _int8k([5, 2, 70], [-2, -2, 40], device="cuda", seed=1)
-    got = case.run_backend(gb.BACKEND).cpu().double()
+    plan = gb.make_plan(case.call(), pipeline=pipeline)
+    got = case.run_backend(gb.BACKEND, plan).cpu().double()
     want = case.reference()
     dead = [0, 1, 5, 6]
     assert not want[dead].any() and not got[dead].any()

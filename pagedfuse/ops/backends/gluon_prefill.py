@@ -1,12 +1,15 @@
-"""The Gluon INT8 K prefill kernel (pagedfuse/ops/gluon_prefill.py) as a backend: calls with
-more than one query token per sequence over an INT8 K cache with a bf16/fp16 V cache, on an
-sm_90 GPU, where Q·K^T of the next key tile overlaps this tile's softmax.
+"""The Gluon INT8 K prefill kernels (pagedfuse/ops/gluon_prefill.py) as a backend: calls
+with more than one query token per sequence over an INT8 K cache with a bf16/fp16 V cache, on
+an sm_90 GPU, where int8 Q·K^T overlaps the softmax.
 
-Priority 120, below triton_prefill (150): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
-On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run) it is still slower than
-triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K over 8K, and 1.56 against
-1.41 at 2K over 16K, with the same error; in its loop P·V is waited for at once and two
-CTA-wide barriers per key tile keep both warpgroups in step.
+Two pipelines (``GluonPlan.pipeline``): "ws", warp-specialized with TMA loads of the pages
+(FlashAttention-3's structure; the default wherever the cache's page size and strides allow
+TMA boxes, see ``tma_unsupported``), and "cp", one partition with cp.async gathers (any page
+size and strides). Priority 120, below triton_prefill (150): opt-in through
+PAGEDFUSE_BACKEND=gluon_prefill. On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one
+run) "cp" was slower than triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K
+over 8K, and 1.56 against 1.41 at 2K over 16K, with the same error. "ws" has not run on a
+GPU yet (compiled for sm_90 offline: benchmarks/prefill_asm.py --kernel gluon).
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
@@ -29,19 +32,29 @@ NAME = "gluon_prefill"
 HEAD_DIMS = frozenset((128,))
 BLOCK_MS = (64, 128)  # one or two consumer warpgroups of 64 rows
 BLOCK_NS = (64, 128)
-MIN_STAGES = 3  # a buffer for P·V, one for the next Q·K^T, one being filled
+PIPELINES = ("ws", "cp")
+# "cp": a buffer for P·V, one for the next Q·K^T, one being filled; "ws": the producer fills
+# one while the consumers read the other
+MIN_STAGES = {"ws": 2, "cp": 3}
+SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA box's width
+# "ws" registers per thread (setmaxnreg): the producer warp needs few, and a consumer holds
+# a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
 
 
 @dataclasses.dataclass(frozen=True)
 class GluonPlan:
-    """Launch choices: rows per tile (``block_m``, 64 per warpgroup), query heads packed into
-    a tile's rows token-major (``pack``, a divisor of the GQA group), keys per step
-    (``block_n``) and shared-memory buffers per key tile (``stages``)."""
+    """Launch choices: the kernel (``pipeline``, see the module docstring), rows per tile
+    (``block_m``, 64 per warpgroup), query heads packed into a tile's rows token-major
+    (``pack``, a divisor of the GQA group), keys per step (``block_n``) and shared-memory
+    buffers per key tile (``stages``)."""
 
     block_m: int = 128
     pack: int = 1
     block_n: int = 128
     stages: int = 3
+    pipeline: str = "ws"
 
     @property
     def tokens(self) -> int:
@@ -50,15 +63,61 @@ class GluonPlan:
 
     @property
     def num_warps(self) -> int:
-        return self.block_m // 16
+        """Warps of the launch (for "ws": the default partition, consumer 0)."""
+        return 4 if self.pipeline == "ws" else self.block_m // 16
+
+    @property
+    def maxnreg(self) -> int:
+        """"ws": the launch's registers per thread, so that the partitions' setmaxnreg
+        (consumers CONSUMER_REGS, the producer's warpgroup PRODUCER_REGS) fit the CTA's
+        share of the register file; consumer 0 gets what the others leave."""
+        groups = self.block_m // 64 + 1
+        return ((self.block_m // 64) * CONSUMER_REGS + PRODUCER_REGS) // groups // 8 * 8
 
 
 def default_plan(call: PagedCall) -> GluonPlan:
     """128-row tiles for long queries; shorter ones pack heads of the GQA group into the
-    rows (any divisor of the group) and take 64 rows once that holds the longest query."""
+    rows (any divisor of the group) and take 64 rows once that holds the longest query.
+    The "ws" kernel wherever the cache allows its TMA boxes, else "cp"."""
     group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
-    return GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack)
+    plan = GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack)
+    if tma_unsupported(call, plan.block_n):
+        plan = dataclasses.replace(plan, pipeline="cp")
+    return plan
+
+
+def tma_rows(cache: torch.Tensor) -> int:
+    """Rows of the cache's 2D TMA view: its token stride wide, covering every element."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True))
+    return -(-extent // cache.stride(1))
+
+
+def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
+    """Why the "ws" kernel's TMA boxes cannot load ``call``'s pages at ``block_n`` keys per
+    tile: a box is min(page, block_n) keys of one head, a whole number of the 128-byte
+    swizzle's 8-row atoms, and a page (block, head) must start at a row and column of a 2D
+    view whose rows are the cache's tokens."""
+    page = call.geometry.block_size
+    if page % 8 or (page % block_n and block_n % page):
+        return (f"page size {page}: the TMA boxes need a multiple of 8 keys that divides "
+                f"or is a multiple of block_n {block_n} (the cp pipeline takes it)")
+    for name, cache in (("key_cache", call.key_cache), ("value_cache", call.value_cache)):
+        sb, st, sh, sd = cache.stride()
+        size = cache.element_size()
+        d = cache.shape[-1]
+        if d * size < SWIZZLE:
+            return f"{name}: head_dim {d} is narrower than a {SWIZZLE}-byte TMA box"
+        if sd != 1 or sb % st or (st * size) % 16 or cache.data_ptr() % 16:
+            return (f"{name}: strides {tuple(cache.stride())} at address "
+                    f"{cache.data_ptr():#x}: a 2D TMA view needs unit-stride heads, a block "
+                    "stride that is a multiple of the token stride, and 16-byte alignment")
+        if any((h * sh) % st + d > st for h in range(cache.shape[2])):
+            return (f"{name}: strides {tuple(cache.stride())}: a head's row does not lie in "
+                    "one row of the token-stride view")
+        if tma_rows(cache) >= 2**31:
+            return f"{name}: {tma_rows(cache)} rows: TMA coordinates are 32-bit"
+    return None
 
 
 def make_plan(call: PagedCall, **overrides: object) -> GluonPlan:
@@ -69,7 +128,9 @@ def make_plan(call: PagedCall, **overrides: object) -> GluonPlan:
 
 
 def check_plan(call: PagedCall, plan: GluonPlan) -> None:
-    """A plan's shape rules, with the argument named."""
+    """A plan's rules, with the argument named."""
+    if plan.pipeline not in PIPELINES:
+        raise ValueError(f"plan: pipeline {plan.pipeline!r} not in {PIPELINES}")
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan: block_m {plan.block_m} not in {BLOCK_MS}")
     if plan.block_n not in BLOCK_NS:
@@ -77,8 +138,11 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.pack < 1 or call.geometry.group % plan.pack or plan.pack > plan.block_m:
         raise ValueError(f"plan: pack {plan.pack} must divide the GQA group "
                          f"{call.geometry.group} and be <= block_m {plan.block_m}")
-    if plan.stages < MIN_STAGES:
-        raise ValueError(f"plan: stages {plan.stages} must be >= {MIN_STAGES}")
+    if plan.stages < MIN_STAGES[plan.pipeline]:
+        raise ValueError(f"plan: stages {plan.stages} must be >= {MIN_STAGES[plan.pipeline]} "
+                         f"for pipeline {plan.pipeline!r}")
+    if plan.pipeline == "ws" and (why := tma_unsupported(call, plan.block_n)):
+        raise ValueError(f"plan: pipeline 'ws': {why}")
 
 
 @functools.cache
