@@ -131,10 +131,6 @@ _VERDICTS: dict[tuple, _Verdict] = {}
 _VERDICT_LIMIT = 4096
 
 
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _signature(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, key_scale: torch.Tensor | None,
                value_scale: torch.Tensor | None, block_table: torch.Tensor,
@@ -154,7 +150,13 @@ def _signature(op: str, query: torch.Tensor, key_cache: torch.Tensor,
             block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
             seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
             query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype,
-            query_start_loc.device, _meta(key_scale), _meta(value_scale), _meta(attn_bias))
+            query_start_loc.device,
+            None if key_scale is None else
+            (key_scale.shape, key_scale.stride(), key_scale.dtype, key_scale.device),
+            None if value_scale is None else
+            (value_scale.shape, value_scale.stride(), value_scale.dtype, value_scale.device),
+            None if attn_bias is None else
+            (attn_bias.shape, attn_bias.stride(), attn_bias.dtype, attn_bias.device))
 
 
 def _check_pointers(masks: tuple[int, ...], tensors: tuple) -> None:
