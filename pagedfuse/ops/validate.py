@@ -131,34 +131,6 @@ _VERDICTS: dict[tuple, _Verdict] = {}
 _VERDICT_LIMIT = 4096
 
 
-def _signature(op: str, query: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, key_scale: torch.Tensor | None,
-               value_scale: torch.Tensor | None, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               attn_bias: torch.Tensor | None, scale: float, window_left: int | None,
-               softcap: float | None) -> tuple:
-    """What check_metadata's verdict depends on, except data pointers: every tensor's shape,
-    strides, dtype and device, the scalars, and the registry's generation (it stands for the
-    head dims the backends serve). Raises AttributeError for an argument that is not a
-    tensor. The scalars are part of it, so the one Geometry per signature also tells apart
-    calls a backend may take or decline by them (the registry's cache of its choice is keyed
-    on the Geometry). Spelled out, not a loop: it is built on every eager call."""
-    return (op, scale, window_left, softcap, registry.generation,
-            query.shape, query.stride(), query.dtype, query.device,
-            key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
-            value_cache.shape, value_cache.stride(), value_cache.dtype, value_cache.device,
-            block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
-            seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-            query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype,
-            query_start_loc.device,
-            None if key_scale is None else
-            (key_scale.shape, key_scale.stride(), key_scale.dtype, key_scale.device),
-            None if value_scale is None else
-            (value_scale.shape, value_scale.stride(), value_scale.dtype, value_scale.device),
-            None if attn_bias is None else
-            (attn_bias.shape, attn_bias.stride(), attn_bias.dtype, attn_bias.device))
-
-
 def _check_pointers(masks: tuple[int, ...], tensors: tuple) -> None:
     """Raise for the first of ``tensors`` (in _POINTERS' order) whose data pointer has bits
     of its mask set."""
@@ -186,37 +158,11 @@ def check_metadata(
 ) -> Geometry:
     """Shape/dtype/device/stride checks for ``op``, and of its scalars; returns the geometry.
     ``capability``: also require a kernel backend for the head_dim on the query's device.
-
-    Cheap on a repeated signature: the verdict is cached per call signature (shapes,
-    strides, dtypes, devices, scalars), and such a call only has its data pointers checked."""
-    key = verdict = None
-    if not fake and capability:
-        try:
-            key = _signature(op, query, key_cache, value_cache, key_scale, value_scale,
-                             block_table, seq_lens, query_start_loc, attn_bias, scale,
-                             window_left, softcap)
-            verdict = _VERDICTS.get(key)
-        except (AttributeError, TypeError):  # not a tensor (the checks below say which), or
-            key = None                       # unhashable sizes (not plain ints)
-    if verdict is not None:
-        m = verdict.masks
-        if (query.data_ptr() & m[0] or key_cache.data_ptr() & m[1]
-                or value_cache.data_ptr() & m[2] or m[3] and key_scale.data_ptr() & m[3]
-                or m[4] and value_scale.data_ptr() & m[4]):
-            _check_pointers(m, (query, key_cache, value_cache, key_scale, value_scale))
-        return verdict.geometry
-    geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
-                               query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
-                               capability)
-    check_options(window_left, softcap)
-    if key is not None:
-        if len(_VERDICTS) >= _VERDICT_LIMIT:
-            _VERDICTS.clear()
-        _VERDICTS[key] = _Verdict(geometry, tuple(
-            0 if t is None or not t.numel() else align - 1
-            for t, (_, align) in zip((query, key_cache, value_cache, key_scale, value_scale),
-                                     _POINTERS, strict=True)))
-    return geometry
+    Cheap on a repeated signature (see build_call)."""
+    return build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
+                      seq_lens, query_start_loc, scale, False, attn_bias, fake=fake,
+                      capability=capability, window_left=window_left,
+                      softcap=softcap).geometry
 
 
 _new_call = tuple.__new__  # PagedCall's fields in order, without its Python-level __new__
@@ -230,12 +176,59 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                max_seq_len: int | None = None, max_query_len: int | None = None,
                fake: bool = False, capability: bool = True, window_left: int | None = None,
                softcap: float | None = None) -> PagedCall:
-    """check_metadata, then the PagedCall the kernel backends receive (arguments in its
-    field order). The op's path: a repeated signature costs one lookup and the pointer
-    checks."""
-    geometry = check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
-                              query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
-                              capability, window_left, softcap)
+    """check_metadata's checks, then the PagedCall the kernel backends receive (arguments in
+    its field order).
+
+    The op's path, so cheap on a repeated signature: the verdict is cached per call
+    signature, and such a call only has its data pointers checked. The signature is what
+    the checks depend on, except data pointers: every tensor's shape, strides, dtype and
+    device, the scalars, and the registry's generation (it stands for the head dims the
+    backends serve); spelled out rather than a loop, as every eager call builds it. The
+    scalars are part of it, so the one Geometry per signature also tells apart calls a
+    backend may take or decline by them (the caches of the backend choice and of launch
+    plans are keyed on the Geometry)."""
+    key = verdict = None
+    if not fake and capability:
+        try:
+            key = (op, scale, window_left, softcap, registry.generation,
+                   query.shape, query.stride(), query.dtype, query.device,
+                   key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+                   value_cache.shape, value_cache.stride(), value_cache.dtype,
+                   value_cache.device,
+                   block_table.shape, block_table.stride(), block_table.dtype,
+                   block_table.device,
+                   seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+                   query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype,
+                   query_start_loc.device,
+                   None if key_scale is None else
+                   (key_scale.shape, key_scale.stride(), key_scale.dtype, key_scale.device),
+                   None if value_scale is None else
+                   (value_scale.shape, value_scale.stride(), value_scale.dtype,
+                    value_scale.device),
+                   None if attn_bias is None else
+                   (attn_bias.shape, attn_bias.stride(), attn_bias.dtype, attn_bias.device))
+            verdict = _VERDICTS.get(key)
+        except (AttributeError, TypeError):  # not a tensor (the checks below say which), or
+            key = None                       # unhashable sizes (not plain ints)
+    if verdict is not None:
+        m = verdict.masks
+        if (query.data_ptr() & m[0] or key_cache.data_ptr() & m[1]
+                or value_cache.data_ptr() & m[2] or m[3] and key_scale.data_ptr() & m[3]
+                or m[4] and value_scale.data_ptr() & m[4]):
+            _check_pointers(m, (query, key_cache, value_cache, key_scale, value_scale))
+        geometry = verdict.geometry
+    else:
+        geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
+                                   query_start_loc, scale, attn_bias, key_scale, value_scale,
+                                   fake, capability)
+        check_options(window_left, softcap)
+        if key is not None:
+            if len(_VERDICTS) >= _VERDICT_LIMIT:
+                _VERDICTS.clear()
+            _VERDICTS[key] = _Verdict(geometry, tuple(
+                0 if t is None or not t.numel() else align - 1
+                for t, (_, align) in zip((query, key_cache, value_cache, key_scale,
+                                          value_scale), _POINTERS, strict=True)))
     return _new_call(PagedCall, (op, query, key_cache, value_cache, key_scale, value_scale,
                                  block_table, seq_lens, query_start_loc, scale, causal,
                                  attn_bias, max_seq_len, max_query_len, geometry, window_left,
