@@ -345,3 +345,22 @@ def test_the_launch_follows_the_pdl_switch(decode_backend, recorder, monkeypatch
     assert [r.pdl for r, _, _ in recorder.launches] == [cuda_native.PDL_AFTER_QUANTIZE,
                                                         cuda_native.PDL_OFF,
                                                         cuda_native.PDL_AFTER_QUANTIZE]
+
+
+@pytest.mark.parametrize("listed", [0, 10**6], ids=["torch", "python"])
+def test_both_ways_of_taking_the_block_span_agree(monkeypatch, listed):
+    """check_values takes the span of the block ids in use in Python for a small table and
+    with torch ops for a large one: either way an id only a sequence without keys or a
+    column past a sequence's blocks holds is let through, negative ids down to -num_blocks
+    wrap, and an id in use outside the cache is refused with the span."""
+    monkeypatch.setattr(validate, "_LISTED_BLOCKS", listed)
+    c = make_case(seq_lens=(0, 9, 21), num_blocks=16, block_size=4, seed=15)
+    c.block_table[0] = 10_000  # sequence 0 reads no key
+    c.block_table[1, 3] = -17  # past sequence 1's three blocks
+    c.block_table[2, 0] = -16  # wraps to block 0
+    assert numerics.rel_err(c.run_op(), c.reference()) <= 1e-5
+    for column, bad, span in ((5, 16, r"\[-16, 16\]"), (2, -17, r"\[-17, \d+\]")):
+        used = c.with_(block_table=c.block_table.clone())
+        used.block_table[2, column] = bad
+        with pytest.raises(ValueError, match=r"block_table: entries in use span " + span):
+            used.run_op()

@@ -361,6 +361,29 @@ def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                     batch, max_blocks)
 
 
+# Tables up to this many entries in the columns some sequence uses have their span taken in
+# Python (a few µs at B=1, where the torch ops below cost about 10); larger ones by torch.
+_LISTED_BLOCKS = 256
+
+
+def _blocks_in_use_span(geo: Geometry, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        lens: list[int], longest: int) -> tuple[int, int]:
+    """The least and greatest block id in use (block j of sequence b when j * block_size <
+    lens[b]), for a table with some block in use."""
+    widest = -(-longest // geo.block_size)
+    if geo.batch * widest <= _LISTED_BLOCKS:
+        rows = block_table[:, :widest].tolist()
+        spans = [row[:-(-n // geo.block_size)] for row, n in zip(rows, lens, strict=True)
+                 if n > 0]
+        return min(map(min, spans)), max(map(max, spans))
+    table = block_table[:, :widest].cpu()
+    in_use = torch.arange(0, widest * geo.block_size, geo.block_size) < seq_lens.cpu()[:, None]
+    first = next(b for b, n in enumerate(lens) if n > 0)
+    # blocks not in use read as one that is (a where is faster than a boolean index)
+    lo, hi = torch.where(in_use, table, table[first, 0]).aminmax()
+    return int(lo), int(hi)
+
+
 def check_values(
     geo: Geometry,
     block_table: torch.Tensor,
@@ -398,13 +421,7 @@ def check_values(
         raise ValueError(f"query_start_loc: last entry {starts[-1]} must equal query's "
                          f"num_tokens {geo.num_tokens}")
     if longest > 0:  # some block is in use: block j of sequence b when j * block_size < len
-        widest = -(-longest // geo.block_size)
-        table = block_table[:, :widest].cpu()
-        in_use = torch.arange(0, widest * geo.block_size, geo.block_size) < seq_lens.cpu()[:, None]
-        first = next(b for b, n in enumerate(lens) if n > 0)
-        # blocks not in use read as one that is (a where is faster than a boolean index)
-        lo, hi = torch.where(in_use, table, table[first, 0]).aminmax()
-        lo, hi = int(lo), int(hi)
+        lo, hi = _blocks_in_use_span(geo, block_table, seq_lens, lens, longest)
         if lo < -geo.num_blocks or hi >= geo.num_blocks:
             raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside "
                              f"[-{geo.num_blocks}, {geo.num_blocks}) (the cache's "
