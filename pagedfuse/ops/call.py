@@ -8,6 +8,7 @@ values, so building the record costs no host synchronisation.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -156,8 +157,10 @@ _EMPTY_CPU = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None)
 _EMPTY_CUDA = getattr(torch._C._dynamo.guards, "_empty_strided_cuda", None)
 
 
+@functools.lru_cache(maxsize=1024)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides torch gives a contiguous tensor of ``shape``."""
+    """The strides torch gives a contiguous tensor of ``shape`` (cached: the shapes of a
+    model's calls repeat, and the loop costs more than the lookup)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
