@@ -364,3 +364,18 @@ def test_both_ways_of_taking_the_block_span_agree(monkeypatch, listed):
         used.block_table[2, column] = bad
         with pytest.raises(ValueError, match=r"block_table: entries in use span " + span):
             used.run_op()
+
+
+def test_build_call_fills_every_field_of_the_record():
+    """build_call makes the PagedCall without its constructor (tuple.__new__, positionally):
+    every field, the options after the geometry included, holds what was passed."""
+    case = make_case(kind="int8_kv", window_left=5, softcap=7.0, seed=16)
+    for _ in range(2):  # the first call checks, the second takes the cached verdict
+        call = case.call(max_seq_len=40, max_query_len=1)
+        expected = PagedCall(INT8_OP, case.query, case.key_cache, case.value_cache,
+                             case.key_scale, case.value_scale, case.block_table, case.seq_lens,
+                             case.query_start_loc, case.scale, case.causal, None, 40, 1,
+                             call.geometry, 5, 7.0)
+        assert type(call) is PagedCall and len(call) == len(PagedCall._fields)
+        assert all(a is b if isinstance(b, torch.Tensor) else a == b
+                   for a, b in zip(call, expected, strict=True)), call
