@@ -13,12 +13,15 @@ the PagedCall), and ``check_values`` where the op runs it (always on the CPU).
 On CUDA the calls are not synchronized inside the timed loop, so the time is the host's
 (the launches queue on the GPU; the context is short so the GPU keeps up). On the CPU the
 kernel runs on the host too, so ``run`` is part of the call; ``op - run`` is the overhead
-(one page of keys there keeps the kernel short).
+(one page of keys there keeps the kernel short). ``--noop`` adds a row per op for a backend
+that runs nothing (``noop``, registered for the run at the top priority): the host path
+alone, dispatch, checks, choice and output allocation (on the CPU with check_values, which
+the op runs there on every call; on CUDA without).
 The lines are printed; --json DIR keeps each device's record as DIR/overhead-<device>-<time>.json
 (benchmarks/results/ is where summarize.py reads them).
 
     python benchmarks/bench_overhead.py [--device cpu|cuda|all] [--threads 1] [--json DIR]
-        [--geometries tinyllama ...] [--backends cuda_decode ...]
+        [--geometries tinyllama ...] [--backends cuda_decode ...] [--noop]
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ import torch
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
 from pagedfuse import envs
-from pagedfuse.ops.backends import all_backends, reason
+from pagedfuse.ops.backends import (
+    Backend,
+    all_backends,
+    reason,
+    register_backend,
+    unregister_backend,
+)
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
 from pagedfuse.ops.validate import build_call, check_values, value_checks_enabled
 
@@ -48,6 +57,16 @@ BATCH, PAGE = 1, 16
 LENGTH = {"cuda": 1536, "cpu": 16}
 KINDS = ("bf16", "int8_kv", "int8_k")
 OPS = torch.ops.pagedfuse
+
+
+def _run_nothing(call: PagedCall, out: torch.Tensor, plan: object) -> None:
+    """The noop backend's kernel."""
+
+
+def noop_backend(device: torch.device) -> Backend:
+    """A backend of ``device`` that takes every call and runs nothing (--noop)."""
+    return Backend(name="noop", device=device.type, priority=1 << 30,
+                   head_dims={FLOAT_OP: None, INT8_OP: None}, run=_run_nothing)
 
 
 def per_call_us(fn: Callable[[], object], device: torch.device, calls: int,
@@ -146,7 +165,20 @@ def measure_quantize(device: torch.device, geo: tuple[int, int, int], calls: int
 
 
 def measure(device: torch.device, calls: int, reps: int, geometries: list[str],
-            backends: set[str] | None) -> list[dict]:
+            backends: set[str] | None, noop: bool = False) -> list[dict]:
+    if noop:
+        register_backend(noop_backend(device))
+        if backends is not None:
+            backends = backends | {"noop"}
+    try:
+        return _measure(device, calls, reps, geometries, backends)
+    finally:
+        if noop:
+            unregister_backend("noop")
+
+
+def _measure(device: torch.device, calls: int, reps: int, geometries: list[str],
+             backends: set[str] | None) -> list[dict]:
     rows = []
     for gname in geometries:
         geo = GEOMETRIES[gname]
@@ -182,6 +214,8 @@ def main() -> None:
                         default=list(GEOMETRIES))
     parser.add_argument("--backends", nargs="+", metavar="NAME",
                         help="time only these backends (default: every one that takes the call)")
+    parser.add_argument("--noop", action="store_true",
+                        help="also time a backend that runs nothing: the host path alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
@@ -190,7 +224,7 @@ def main() -> None:
     for name in devices:
         device = torch.device(name)
         rows = measure(device, args.calls, args.reps, args.geometries,
-                       set(args.backends) if args.backends else None)
+                       set(args.backends) if args.backends else None, args.noop)
         stamp = datetime.datetime.now(datetime.timezone.utc)
         record = {
             "benchmark": "bench_overhead", "date": stamp.isoformat(timespec="seconds"),

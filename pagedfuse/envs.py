@@ -108,22 +108,24 @@ def overridden(name: str, value: str | None) -> Iterator[None]:
 # made through os.environ: one lookup there replaces os.environ.get's encoding and, for an
 # unset name, its raised and caught KeyError (together about 1 µs per read, several per call).
 _STORE: Any = getattr(os.environ, "_data", None)
-_READERS: dict[str, Callable[[], Any]] = {}
+_READERS: dict[str, Callable[..., Any]] = {}
 
 
-def _reader(var: EnvVar) -> Callable[[], Any]:
-    """A function giving ``var``'s current value: the last parse while the raw value stays."""
+def _reader(var: EnvVar) -> Callable[..., Any]:
+    """A function giving ``var``'s current value: the last parse while the raw value stays.
+    It takes (and ignores) one optional argument, so that it serves as the property's
+    getter itself, without a wrapper call per read."""
     found = _READERS.get(var.name)
     if found is not None:
         return found
     if _STORE is None or not hasattr(os.environ, "encodekey"):  # not CPython's os.environ
-        def read() -> Any:
+        def read(_module: object = None) -> Any:
             return var.parse(os.environ.get(var.name, var.default))
     else:
         key, unseen = os.environ.encodekey(var.name), object()
         seen: list[Any] = [unseen, None]  # the raw value last parsed, and its parse
 
-        def read() -> Any:
+        def read(_module: object = None) -> Any:
             raw = _STORE.get(key)
             if raw is not seen[0] and (raw is None or raw != seen[0]):
                 text = var.default if raw is None else os.environ.decodevalue(raw)
@@ -138,8 +140,7 @@ class _Module(types.ModuleType):
 
 
 def _property(var: EnvVar) -> property:
-    read = _reader(var)
-    return property(lambda _module: read(), doc=var.meaning)
+    return property(_reader(var), doc=var.meaning)
 
 
 for _var in VARIABLES.values():

@@ -1,7 +1,10 @@
-"""The eager host path of the CUDA C++ decode on any machine: the switches it reads on every
-call follow os.environ at once, and the one launch call it makes (cuda_native.decode_into)
-hands the library the right record, pointers and scratch. The library is a recording stand-in
-here; the kernels themselves are tested on the GPU (test_cuda_kernels.py)."""
+"""The eager host path on any machine: the switches it reads on every call follow os.environ
+at once; what the op caches per call signature (the metadata verdict, the backend choice, the
+CUDA decode's plan and launch record, the Autograd kernel's view of a keyset) never serves
+another signature, a changed switch or a changed registry; and the one launch call the CUDA
+decode makes (cuda_native.decode_into) hands the library the right record, pointers and
+scratch. The library is a recording stand-in here; the kernels themselves are tested on the
+GPU (test_cuda_kernels.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +14,16 @@ import os
 
 import pytest
 import torch
+from helpers.backends import registered
+from helpers.cases import make_case
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from pagedfuse import envs
-from pagedfuse.ops import cuda_native
+import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
+from pagedfuse import envs, numerics
+from pagedfuse.ops import cuda_native, validate
+from pagedfuse.ops.backends import Backend, choose, get_backend, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, Geometry, PagedCall
+from pagedfuse.ops.validate import build_call
 
 
 def test_a_switch_follows_os_environ_at_once(monkeypatch):
@@ -143,3 +152,230 @@ def test_each_launch_choice_has_its_own_record(recorder):
             cuda_native.decode_into(call, out, splits, 1, pdl=pdl)
     assert [(r.pdl, r.splits) for r, _, _ in recorder.launches] == [(0, 1), (0, 3), (2, 1),
                                                                     (2, 3)]
+
+
+# --- what the op caches per call signature, and that no cache serves a stale answer --------
+
+def _counting(name: str, priority: int = 10**6):
+    """A CPU backend that runs the reference and records each call it ran."""
+    runs: list[PagedCall] = []
+
+    def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
+        runs.append(call)
+        get_backend("reference").run(call, out, plan)
+
+    backend = Backend(name=name, device="cpu", priority=priority,
+                      head_dims={FLOAT_OP: None, INT8_OP: None}, run=run)
+    return backend, runs
+
+
+def test_a_cached_verdict_serves_only_its_own_signature():
+    """Calls that differ from a checked one only in strides, a dtype, a scalar or an option
+    get their own verdict: each bad one still fails with its own error."""
+    case = make_case(seq_lens=(37, 20), head_dim=64, seed=11)
+    good = case.run_op()
+    assert numerics.rel_err(good, case.reference()) <= 1e-5
+    t, hq, d = case.query.shape
+    # same shape, innermost dim strided
+    strided = torch.randn(t, hq, d, 2)[..., 0]
+    with pytest.raises(ValueError, match="query: innermost dim must be contiguous"):
+        case.with_(query=strided).run_op()
+    with pytest.raises(TypeError, match="key_cache: dtype float64 must match query's float32"):
+        case.with_(key_cache=case.key_cache.double()).run_op()
+    with pytest.raises(ValueError, match="scale: must be a finite float"):
+        case.with_(scale=float("inf")).run_op()
+    with pytest.raises(ValueError, match="window_left: must be None or an int >= 1"):
+        case.with_(window_left=0).run_op()
+    assert torch.equal(case.run_op(), good)
+
+
+def test_the_choice_follows_the_forced_backend_and_the_registry(monkeypatch):
+    """The backend choice is cached per signature, yet PAGEDFUSE_BACKEND changed between two
+    calls, a backend registered or removed after a call all take effect at the next call."""
+    case = make_case(seq_lens=(30, 12), seed=12)
+    first, first_runs = _counting("first")
+    second, second_runs = _counting("second", priority=10**7)
+    expected = case.reference()
+    case.run_op()  # the cpu backend's, cached
+    with registered(first):
+        assert numerics.rel_err(case.run_op(), expected) <= 1e-5
+        assert len(first_runs) == 1
+        with registered(second):
+            case.run_op()
+            assert (len(first_runs), len(second_runs)) == (1, 1)
+            monkeypatch.setenv("PAGEDFUSE_BACKEND", "first")
+            case.run_op()
+            assert (len(first_runs), len(second_runs)) == (2, 1)
+            monkeypatch.setenv("PAGEDFUSE_BACKEND", "reference")
+            case.run_op()
+            monkeypatch.delenv("PAGEDFUSE_BACKEND")
+            case.run_op()
+            assert (len(first_runs), len(second_runs)) == (2, 2)
+        case.run_op()
+        assert len(first_runs) == 3
+    case.run_op()
+    assert (len(first_runs), len(second_runs)) == (3, 2)
+    assert choose(case.call()).name == "cpu"
+
+
+def test_the_signature_caches_are_bounded(monkeypatch):
+    """Past their limit the verdict and choice caches start over rather than grow, and the
+    calls after that are still checked and right."""
+    monkeypatch.setattr(validate, "_VERDICT_LIMIT", 2)
+    monkeypatch.setattr(registry, "_CHOICE_LIMIT", 2)
+    validate._VERDICTS.clear()
+    registry._CHOICES.clear()
+    for batch in (1, 2, 3, 4, 5):
+        case = make_case(seq_lens=tuple(range(9, 9 + batch)), seed=batch)
+        assert numerics.rel_err(case.run_op(), case.reference()) <= 1e-5
+        assert len(validate._VERDICTS) <= 2 and len(registry._CHOICES) <= 2
+    with pytest.raises(ValueError, match="query: innermost dim must be contiguous"):
+        case.with_(query=torch.randn(*case.query.shape, 2)[..., 0]).run_op()
+
+
+def test_the_autograd_kernel_still_redispatches_a_traced_call_after_an_eager_one():
+    """The Autograd kernel remembers which keysets are plain: an eager call in grad mode
+    first, then a trace of the same op (fake tensors in grad mode) must still reach the fake
+    implementation, and an input that requires grad still gets the failing backward."""
+    case = make_case(seq_lens=(21, 7), seed=13)
+    eager = case.run_op()
+    args = case.op_args()
+    names = [n for n in args if isinstance(args[n], torch.Tensor)]
+
+    def body(*tensors):
+        traced = dict(zip(names, tensors, strict=True))
+        return torch.ops.pagedfuse.paged_attention(**{**args, **traced})
+
+    graph = make_fx(body, tracing_mode="fake")(*[args[n] for n in names])
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.pagedfuse.paged_attention.default]
+    assert torch.equal(graph(*[args[n] for n in names]), eager)
+    query = case.query.clone().requires_grad_()
+    out = case.with_(query=query).run_op()
+    with pytest.raises(RuntimeError, match="pagedfuse::paged_attention has no backward"):
+        out.sum().backward()
+
+
+def test_outputs_are_fresh_contiguous_and_follow_the_mode():
+    """The op's outputs come from an allocator that skips the dispatcher: still a new
+    contiguous tensor per call, an inference tensor under inference_mode only."""
+    case = make_case(seq_lens=(19, 4), seed=14)
+    strided = torch.randn(*case.query.shape[:2], 72)[..., :64]  # rows 288 bytes apart
+    first, second = case.run_op(), case.with_(query=strided).run_op()
+    assert first.is_contiguous() and second.is_contiguous()
+    assert first.data_ptr() != case.run_op().data_ptr() != second.data_ptr()
+    assert numerics.rel_err(second, case.with_(query=strided).reference()) <= 1e-5
+    with torch.inference_mode():
+        inside = case.run_op()
+        x_int8, x_scale = torch.ops.pagedfuse.quantize_int8(case.query)
+    assert inside.is_inference() and x_int8.is_inference() and x_scale.is_inference()
+    assert not first.is_inference()
+    assert torch.equal(inside, first)
+
+
+def _built(kind: str, layout: str = "NHD") -> PagedCall:
+    """_call's tensors through build_call, so the geometry is the verdict cache's (one per
+    signature), with the caches in ``layout`` (HND: each head's page contiguous)."""
+    c = _call(kind)
+    key, value = c.key_cache, c.value_cache
+    if layout == "HND":
+        key, value = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (key, value))
+    return build_call(c.op, c.query, key, value, c.key_scale, c.value_scale, c.block_table,
+                      c.seq_lens, c.query_start_loc, c.scale, c.causal, None, None, 1)
+
+
+def test_a_launch_record_per_signature(recorder):
+    """The launch record is cached per call signature: the same shapes with the caches laid
+    out otherwise get a record with their own strides, and each layout keeps its own."""
+    out = torch.empty(3, 8, 64, dtype=torch.bfloat16)
+    for layout in ("NHD", "HND", "NHD"):
+        call = _built("int8_k", layout)
+        cuda_native.decode_into(call, out, 1, 1)
+        record = recorder.launches[-1][0]
+        size = call.key_cache.element_size()
+        assert list(record.strides)[1:4] == [s * size for s in call.key_cache.stride()[:3]]
+    nhd, hnd, again = (r for r, _, _ in recorder.launches)
+    assert ctypes.addressof(nhd) == ctypes.addressof(again) != ctypes.addressof(hnd)
+
+
+@pytest.fixture
+def decode_backend(monkeypatch):
+    """backends.cuda_decode (it needs Triton) with the library's variant query answered
+    here and PDL taken as possible, as on an sm_90 GPU."""
+    cuda_decode = pytest.importorskip("pagedfuse.ops.backends.cuda_decode")
+    from pagedfuse.ops import cuda
+
+    monkeypatch.setattr(cuda_native, "decode_variant",
+                        lambda device, kind, head_dim: cuda_native.Variant(2, 4, 16, 4, 2))
+    monkeypatch.setattr(cuda, "pdl_capable", lambda device: True)
+    return cuda_decode
+
+
+def test_the_default_plan_follows_the_switches(decode_backend, monkeypatch):
+    """cuda_decode caches its default plan per signature, hints and switches: turning
+    PAGEDFUSE_BALANCED or PAGEDFUSE_PDL on or off between two calls changes the next plan."""
+    monkeypatch.delenv("PAGEDFUSE_BALANCED", raising=False)
+    monkeypatch.delenv("PAGEDFUSE_PDL", raising=False)
+    call = _built("int8_kv")
+    split = decode_backend.make_plan(call)
+    assert split.splits >= 1 and split.ctas == 0 and split.pdl
+    assert decode_backend.make_plan(call) is split
+    monkeypatch.setenv("PAGEDFUSE_BALANCED", "1")
+    balanced = decode_backend.make_plan(call)
+    assert balanced.splits == decode_backend.BALANCED and balanced.ctas > 0
+    monkeypatch.setenv("PAGEDFUSE_PDL", "0")
+    assert not decode_backend.make_plan(call).pdl
+    monkeypatch.delenv("PAGEDFUSE_BALANCED")
+    monkeypatch.delenv("PAGEDFUSE_PDL")
+    assert decode_backend.make_plan(call) is split
+    assert decode_backend.make_plan(call._replace(max_seq_len=16)).splits == 1
+
+
+def test_the_launch_follows_the_pdl_switch(decode_backend, recorder, monkeypatch):
+    """Through the backend's run: the fused launch goes as a dependent launch, then plainly
+    once PAGEDFUSE_PDL=0, then dependent again."""
+    call = _built("int8_k")
+    out = torch.empty_like(call.query)
+    monkeypatch.delenv("PAGEDFUSE_PDL", raising=False)
+    decode_backend.run(call, out)
+    monkeypatch.setenv("PAGEDFUSE_PDL", "0")
+    decode_backend.run(call, out)
+    monkeypatch.delenv("PAGEDFUSE_PDL")
+    decode_backend.run(call, out)
+    assert [r.pdl for r, _, _ in recorder.launches] == [cuda_native.PDL_AFTER_QUANTIZE,
+                                                        cuda_native.PDL_OFF,
+                                                        cuda_native.PDL_AFTER_QUANTIZE]
+
+
+@pytest.mark.parametrize("listed", [0, 10**6], ids=["torch", "python"])
+def test_both_ways_of_taking_the_block_span_agree(monkeypatch, listed):
+    """check_values takes the span of the block ids in use in Python for a small table and
+    with torch ops for a large one: either way an id only a sequence without keys or a
+    column past a sequence's blocks holds is let through, negative ids down to -num_blocks
+    wrap, and an id in use outside the cache is refused with the span."""
+    monkeypatch.setattr(validate, "_LISTED_BLOCKS", listed)
+    c = make_case(seq_lens=(0, 9, 21), num_blocks=16, block_size=4, seed=15)
+    c.block_table[0] = 10_000  # sequence 0 reads no key
+    c.block_table[1, 3] = -17  # past sequence 1's three blocks
+    c.block_table[2, 0] = -16  # wraps to block 0
+    assert numerics.rel_err(c.run_op(), c.reference()) <= 1e-5
+    for column, bad, span in ((5, 16, r"\[-16, 16\]"), (2, -17, r"\[-17, \d+\]")):
+        used = c.with_(block_table=c.block_table.clone())
+        used.block_table[2, column] = bad
+        with pytest.raises(ValueError, match=r"block_table: entries in use span " + span):
+            used.run_op()
+
+
+def test_build_call_fills_every_field_of_the_record():
+    """build_call makes the PagedCall without its constructor (tuple.__new__, positionally):
+    every field, the options after the geometry included, holds what was passed."""
+    case = make_case(kind="int8_kv", window_left=5, softcap=7.0, seed=16)
+    for _ in range(2):  # the first call checks, the second takes the cached verdict
+        call = case.call(max_seq_len=40, max_query_len=1)
+        expected = PagedCall(INT8_OP, case.query, case.key_cache, case.value_cache,
+                             case.key_scale, case.value_scale, case.block_table, case.seq_lens,
+                             case.query_start_loc, case.scale, case.causal, None, 40, 1,
+                             call.geometry, 5, 7.0)
+        assert type(call) is PagedCall and len(call) == len(PagedCall._fields)
+        assert all(a is b if isinstance(b, torch.Tensor) else a == b
+                   for a, b in zip(call, expected, strict=True)), call

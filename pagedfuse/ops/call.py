@@ -8,6 +8,7 @@ values, so building the record costs no host synchronisation.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -147,3 +148,37 @@ def next_power_of_2(n: int) -> int:
     planners, computed on the host without triton.next_power_of_2's constexpr-call cost (a
     few µs per call, paid on every eager launch) and without importing Triton."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+# Inductor's allocators: a fresh strided tensor without a trip through the dispatcher, which
+# torch.empty takes (on the CPU 0.4 µs against torch.empty's 2.1 and empty_like's 0.8). The
+# CUDA one allocates on the current device.
+_EMPTY_CPU = getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None)
+_EMPTY_CUDA = getattr(torch._C._dynamo.guards, "_empty_strided_cuda", None)
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (cached: the shapes of a
+    model's calls repeat, and the loop costs more than the lookup)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def empty_contiguous(like: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                     strides: tuple[int, ...] | None = None) -> Tensor:
+    """A fresh contiguous tensor of ``shape`` and ``dtype`` on ``like``'s device (``strides``:
+    its contiguous strides, where the caller has them): the kernels' outputs, allocated on
+    every eager call."""
+    if like.is_cpu:
+        alloc = _EMPTY_CPU
+    elif like.is_cuda and like.get_device() == torch._C._cuda_getDevice():
+        alloc = _EMPTY_CUDA
+    else:
+        alloc = None
+    if alloc is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    return alloc(shape, contiguous_strides(shape) if strides is None else strides, dtype)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedfuse.ops.call import PagedCall
+from pagedfuse.ops.call import PagedCall, empty_contiguous
 
 LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
@@ -405,8 +405,9 @@ _QUANTIZE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # th
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8 of a float tensor on a device decode_available: (x_int8, scale = max|x|
     / 127 as float32) over the last dim, bit for bit as the reference, in one launch."""
-    q = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
-    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    shape = tuple(x.shape)
+    q = empty_contiguous(x, shape, torch.int8)
+    scale = empty_contiguous(x, shape[:-1], torch.float32)
     if q.numel() == 0:
         return q, scale.zero_()  # no rows, or empty rows whose max|x| is taken as 0
     index = _index(x.device)

@@ -25,7 +25,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 from pagedfuse import envs
 from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel
-from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, empty_contiguous
 from pagedfuse.ops.validate import (
     build_call,
     check_metadata,
@@ -41,6 +41,7 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # Below Autograd, a plain CPU or CUDA tensor under no mode dispatches straight to the kernel.
 _PLAIN = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU,
                                                               DispatchKey.CUDA))
+_KEYSET_LIMIT = 64  # keysets an Autograd kernel remembers (a handful occur)
 
 
 def _backend(call: PagedCall) -> Backend:
@@ -60,14 +61,17 @@ def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
          attn_bias: Tensor | None, max_seq_len: int | None,
          max_query_len: int | None, window_left: int | None = None,
          softcap: float | None = None) -> Tensor:
+    """The op on real tensors. The dispatcher hands the scalars over as the schema types
+    them (scale and softcap as float, causal as bool), so they go into the call as given."""
     call = build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
-                      seq_lens, query_start_loc, float(scale), bool(causal), attn_bias,
-                      max_seq_len, max_query_len, window_left=window_left,
-                      softcap=None if softcap is None else float(softcap))
+                      seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
+                      max_query_len, window_left=window_left, softcap=softcap)
     if value_checks_enabled(query.device):
         check_values(call.geometry, block_table, seq_lens, query_start_loc, attn_bias,
                      max_seq_len, max_query_len)
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # the cheapest
+    g = call.geometry
+    out = empty_contiguous(query, (g.num_tokens, g.num_q_heads, g.head_dim), query.dtype,
+                           (g.num_q_heads * g.head_dim, g.head_dim, 1))
     if out.numel():
         _backend(call).run(call, out, None)
     return out
@@ -168,19 +172,36 @@ class _NoBackward(torch.autograd.Function):
                            "needed (torch.no_grad() or torch.inference_mode())")
 
 
+def _is_tensor(kind: torch.Type) -> bool:
+    """A schema type that holds a tensor: Tensor or Tensor?."""
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
+
+
 def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
     """The op's Autograd kernel. Outside a trace (plain CPU/CUDA tensors, no mode, nothing
     requiring grad) it calls the implementation itself, which is what the redispatch below
-    Autograd would reach, without a second round of argument conversion."""
+    Autograd would reach, without a second round of argument conversion. Whether a keyset
+    is plain below Autograd is remembered per keyset (a handful occur), and only the leading
+    arguments up to the last tensor one are asked whether they require grad: both run on
+    every call in grad mode."""
+    plain: dict[int, bool] = {}
+    tensors = 1 + max(i for i, a in enumerate(op._schema.arguments) if _is_tensor(a.type))
 
     def kernel(keyset, *args, **options):
-        below = keyset & _AFTER_AUTOGRAD
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _NoBackward.apply(op, below, options, *args)
-        if below.raw_repr() in _PLAIN:
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args[:tensors]):
+            return _NoBackward.apply(op, keyset & _AFTER_AUTOGRAD, options, *args)
+        raw = keyset.raw_repr()
+        below_is_plain = plain.get(raw)
+        if below_is_plain is None:
+            if len(plain) >= _KEYSET_LIMIT:
+                plain.clear()
+            below_is_plain = plain[raw] = (keyset & _AFTER_AUTOGRAD).raw_repr() in _PLAIN
+        if below_is_plain:
             return impl(*args, **options)
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(below, *args, **options)
+            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **options)
 
     return kernel
 

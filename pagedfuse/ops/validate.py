@@ -13,6 +13,7 @@ content) whose message starts with the argument's name.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -112,29 +113,30 @@ def check_quantize_input(x: torch.Tensor) -> None:
         raise ValueError("x: needs at least one dim (rows are quantized over the last dim)")
 
 
-# Arguments whose data pointers every call checks (the rest of a verdict is cached): the
-# position in check_metadata's tensor tuple, the name and the alignment.
-_POINTERS = ((0, "query", ROW_ALIGN_BYTES), (1, "key_cache", ROW_ALIGN_BYTES),
-             (2, "value_cache", ROW_ALIGN_BYTES), (7, "key_scale", SCALE_ALIGN_BYTES),
-             (8, "value_scale", SCALE_ALIGN_BYTES))
-# Verdicts of past calls: call signature -> (geometry, pointers to check). Bounded, since
-# every distinct signature (e.g. each batch size) adds one.
-_VERDICTS: dict[tuple, tuple[Geometry, tuple[tuple[int, str, int], ...]]] = {}
+class _Verdict(NamedTuple):
+    """A cached check_metadata verdict: the geometry, and per pointer-checked argument
+    (query, key_cache, value_cache, key_scale, value_scale) the low bits its data pointer
+    must not have (0: absent or empty, not checked)."""
+
+    geometry: Geometry
+    masks: tuple[int, int, int, int, int]
+
+
+_POINTERS = (("query", ROW_ALIGN_BYTES), ("key_cache", ROW_ALIGN_BYTES),
+             ("value_cache", ROW_ALIGN_BYTES), ("key_scale", SCALE_ALIGN_BYTES),
+             ("value_scale", SCALE_ALIGN_BYTES))
+# Verdicts of past calls by call signature. Bounded, since every distinct signature (e.g.
+# each batch size) adds one.
+_VERDICTS: dict[tuple, _Verdict] = {}
 _VERDICT_LIMIT = 4096
 
 
-def _signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
-    """What check_metadata's verdict depends on, except data pointers (the registry's
-    generation stands for the head dims its backends serve); None for a non-tensor. The
-    scalars (scale, window_left, softcap) are part of it, so the one Geometry per signature
-    also tells apart calls a backend may take or decline by them (the registry's cache of
-    its choice is keyed on the Geometry)."""
-    try:
-        return (op, *scalars, registry.generation,
-                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-                  for t in tensors])
-    except AttributeError:
-        return None
+def _check_pointers(masks: tuple[int, ...], tensors: tuple) -> None:
+    """Raise for the first of ``tensors`` (in _POINTERS' order) whose data pointer has bits
+    of its mask set."""
+    for (name, align), mask, t in zip(_POINTERS, masks, tensors, strict=True):
+        if mask and t.data_ptr() & mask:
+            raise ValueError(f"{name}: data pointer is not {align}-byte aligned")
 
 
 def check_metadata(
@@ -156,32 +158,14 @@ def check_metadata(
 ) -> Geometry:
     """Shape/dtype/device/stride checks for ``op``, and of its scalars; returns the geometry.
     ``capability``: also require a kernel backend for the head_dim on the query's device.
+    Cheap on a repeated signature (see build_call)."""
+    return build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
+                      seq_lens, query_start_loc, scale, False, attn_bias, fake=fake,
+                      capability=capability, window_left=window_left,
+                      softcap=softcap).geometry
 
-    Cheap on a repeated signature: the verdict is cached per call signature (shapes,
-    strides, dtypes, devices, scalars), and such a call only has its data pointers checked."""
-    tensors = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-               attn_bias, key_scale, value_scale)
-    key = None if fake or not capability else \
-        _signature(op, tensors, (scale, window_left, softcap))
-    try:
-        verdict = _VERDICTS.get(key) if key is not None else None
-    except TypeError:  # unhashable: sizes that are not plain ints
-        key = verdict = None
-    if verdict is not None:
-        geometry, pointers = verdict
-        for index, name, align in pointers:
-            _check_pointer(name, tensors[index], align)
-        return geometry
-    geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
-                               query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
-                               capability)
-    check_options(window_left, softcap)
-    if key is not None:
-        if len(_VERDICTS) >= _VERDICT_LIMIT:
-            _VERDICTS.clear()
-        _VERDICTS[key] = geometry, tuple(p for p in _POINTERS if tensors[p[0]] is not None
-                                          and tensors[p[0]].numel())
-    return geometry
+
+_new_call = tuple.__new__  # PagedCall's fields in order, without its Python-level __new__
 
 
 def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
@@ -192,14 +176,63 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                max_seq_len: int | None = None, max_query_len: int | None = None,
                fake: bool = False, capability: bool = True, window_left: int | None = None,
                softcap: float | None = None) -> PagedCall:
-    """check_metadata, then the PagedCall the kernel backends receive (arguments in its
-    field order)."""
-    geometry = check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
-                              query_start_loc, scale, attn_bias, key_scale, value_scale, fake,
-                              capability, window_left, softcap)
-    return PagedCall(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
-                     seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                     max_query_len, geometry, window_left, softcap)
+    """check_metadata's checks, then the PagedCall the kernel backends receive (arguments in
+    its field order).
+
+    The op's path, so cheap on a repeated signature: the verdict is cached per call
+    signature, and such a call only has its data pointers checked. The signature is what
+    the checks depend on, except data pointers: every tensor's shape, strides, dtype and
+    device, the scalars, and the registry's generation (it stands for the head dims the
+    backends serve); spelled out rather than a loop, as every eager call builds it. The
+    scalars are part of it, so the one Geometry per signature also tells apart calls a
+    backend may take or decline by them (the caches of the backend choice and of launch
+    plans are keyed on the Geometry)."""
+    key = verdict = None
+    if not fake and capability:
+        try:
+            key = (op, scale, window_left, softcap, registry.generation,
+                   query.shape, query.stride(), query.dtype, query.device,
+                   key_cache.shape, key_cache.stride(), key_cache.dtype, key_cache.device,
+                   value_cache.shape, value_cache.stride(), value_cache.dtype,
+                   value_cache.device,
+                   block_table.shape, block_table.stride(), block_table.dtype,
+                   block_table.device,
+                   seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+                   query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype,
+                   query_start_loc.device,
+                   None if key_scale is None else
+                   (key_scale.shape, key_scale.stride(), key_scale.dtype, key_scale.device),
+                   None if value_scale is None else
+                   (value_scale.shape, value_scale.stride(), value_scale.dtype,
+                    value_scale.device),
+                   None if attn_bias is None else
+                   (attn_bias.shape, attn_bias.stride(), attn_bias.dtype, attn_bias.device))
+            verdict = _VERDICTS.get(key)
+        except (AttributeError, TypeError):  # not a tensor (the checks below say which), or
+            key = None                       # unhashable sizes (not plain ints)
+    if verdict is not None:
+        m = verdict.masks
+        if (query.data_ptr() & m[0] or key_cache.data_ptr() & m[1]
+                or value_cache.data_ptr() & m[2] or m[3] and key_scale.data_ptr() & m[3]
+                or m[4] and value_scale.data_ptr() & m[4]):
+            _check_pointers(m, (query, key_cache, value_cache, key_scale, value_scale))
+        geometry = verdict.geometry
+    else:
+        geometry = _check_metadata(op, query, key_cache, value_cache, block_table, seq_lens,
+                                   query_start_loc, scale, attn_bias, key_scale, value_scale,
+                                   fake, capability)
+        check_options(window_left, softcap)
+        if key is not None:
+            if len(_VERDICTS) >= _VERDICT_LIMIT:
+                _VERDICTS.clear()
+            _VERDICTS[key] = _Verdict(geometry, tuple(
+                0 if t is None or not t.numel() else align - 1
+                for t, (_, align) in zip((query, key_cache, value_cache, key_scale,
+                                          value_scale), _POINTERS, strict=True)))
+    return _new_call(PagedCall, (op, query, key_cache, value_cache, key_scale, value_scale,
+                                 block_table, seq_lens, query_start_loc, scale, causal,
+                                 attn_bias, max_seq_len, max_query_len, geometry, window_left,
+                                 softcap))
 
 
 def check_options(window_left: object, softcap: object) -> None:
@@ -328,6 +361,29 @@ def _check_metadata(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                     batch, max_blocks)
 
 
+# Tables up to this many entries in the columns some sequence uses have their span taken in
+# Python (a few µs at B=1, where the torch ops below cost about 10); larger ones by torch.
+_LISTED_BLOCKS = 256
+
+
+def _blocks_in_use_span(geo: Geometry, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        lens: list[int], longest: int) -> tuple[int, int]:
+    """The least and greatest block id in use (block j of sequence b when j * block_size <
+    lens[b]), for a table with some block in use."""
+    widest = -(-longest // geo.block_size)
+    if geo.batch * widest <= _LISTED_BLOCKS:
+        rows = block_table[:, :widest].tolist()
+        spans = [row[:-(-n // geo.block_size)] for row, n in zip(rows, lens, strict=True)
+                 if n > 0]
+        return min(map(min, spans)), max(map(max, spans))
+    table = block_table[:, :widest].cpu()
+    in_use = torch.arange(0, widest * geo.block_size, geo.block_size) < seq_lens.cpu()[:, None]
+    first = next(b for b, n in enumerate(lens) if n > 0)
+    # blocks not in use read as one that is (a where is faster than a boolean index)
+    lo, hi = torch.where(in_use, table, table[first, 0]).aminmax()
+    return int(lo), int(hi)
+
+
 def check_values(
     geo: Geometry,
     block_table: torch.Tensor,
@@ -365,13 +421,7 @@ def check_values(
         raise ValueError(f"query_start_loc: last entry {starts[-1]} must equal query's "
                          f"num_tokens {geo.num_tokens}")
     if longest > 0:  # some block is in use: block j of sequence b when j * block_size < len
-        widest = -(-longest // geo.block_size)
-        table = block_table[:, :widest].cpu()
-        in_use = torch.arange(0, widest * geo.block_size, geo.block_size) < seq_lens.cpu()[:, None]
-        first = next(b for b, n in enumerate(lens) if n > 0)
-        # blocks not in use read as one that is (a where is faster than a boolean index)
-        lo, hi = torch.where(in_use, table, table[first, 0]).aminmax()
-        lo, hi = int(lo), int(hi)
+        lo, hi = _blocks_in_use_span(geo, block_table, seq_lens, lens, longest)
         if lo < -geo.num_blocks or hi >= geo.num_blocks:
             raise ValueError(f"block_table: entries in use span [{lo}, {hi}], outside "
                              f"[-{geo.num_blocks}, {geo.num_blocks}) (the cache's "

@@ -99,19 +99,20 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
     """The launch of ``call``: the heuristics' choice, or ``config`` (native_config with a
     chosen ``heads``) / ``splits`` (BALANCED: the balanced grid) instead. With a window the
     splits divide only the window's keys."""
-    g, device = call.geometry, call.device
     balanced, pdl = envs.PAGEDFUSE_BALANCED, envs.PAGEDFUSE_PDL
-    key = (g, call.max_seq_len, call.max_query_len, balanced, pdl)
-    if config is None and splits is None:
+    default = config is None and splits is None
+    if default:
+        key = (call.geometry, call.max_seq_len, call.max_query_len, balanced, pdl)
         found = _PLANS.get(key)
         if found is not None:
             return found
+    g, device = call.geometry, call.device
     kind = cuda_native.kind_of(call.key_cache, call.value_cache)
     chosen = launch_plan(kind, g.num_kv_heads, g.head_dim, g.batch, call.keys_bound, device,
                          config or native_config(kind, g.head_dim, g.num_kv_heads, g.batch,
                                                  device, balanced=balanced),
                          splits, pdl and cuda.pdl_capable(device))
-    if config is None and splits is None:
+    if default:
         if len(_PLANS) >= _PLAN_LIMIT:
             _PLANS.clear()
         _PLANS[key] = chosen
