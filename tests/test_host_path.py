@@ -379,3 +379,36 @@ def test_build_call_fills_every_field_of_the_record():
         assert type(call) is PagedCall and len(call) == len(PagedCall._fields)
         assert all(a is b if isinstance(b, torch.Tensor) else a == b
                    for a, b in zip(call, expected, strict=True)), call
+
+
+def _strided(index: torch.Tensor) -> torch.Tensor:
+    """The same values, every other element of a buffer whose other half is huge."""
+    return torch.stack((index, torch.full_like(index, 1 << 30)), dim=1)[:, 0]
+
+
+def test_strided_lengths_reach_the_backends_dense():
+    """Kernels index seq_lens and query_start_loc as plain arrays: a strided one (a column of
+    a wider tensor) reaches them as a dense copy, on the first call and on the cached one."""
+    case = make_case(seq_lens=(37, 20, 9), q_lens=(1, 3, 2), seed=17)
+    lens, starts = _strided(case.seq_lens), _strided(case.query_start_loc)
+    assert lens.stride() == (2,) and starts.stride() == (2,)
+    strided = case.with_(seq_lens=lens, query_start_loc=starts)
+    for _ in range(2):
+        call = strided.call()
+        assert call.seq_lens.stride() == (1,) and call.query_start_loc.stride() == (1,)
+        assert torch.equal(call.seq_lens, case.seq_lens)
+        assert torch.equal(call.query_start_loc, case.query_start_loc)
+    dense = case.call()
+    assert dense.seq_lens is case.seq_lens and dense.query_start_loc is case.query_start_loc
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_kv"])
+def test_strided_lengths_on_the_gpu_match_the_reference(kind):
+    """The op on CUDA (whichever backend it picks, decode and prefill rows) reads a strided
+    seq_lens and query_start_loc by their values."""
+    case = make_case(seq_lens=(37, 20, 9), q_lens=(1, 3, 2), kind=kind, seed=18,
+                     dtype=torch.bfloat16, device="cuda")
+    strided = case.with_(seq_lens=_strided(case.seq_lens),
+                         query_start_loc=_strided(case.query_start_loc))
+    assert numerics.rel_err(strided.run_op(), case.reference()) <= 2e-2

@@ -50,9 +50,11 @@ class PagedCall(NamedTuple):
     ``key_scale`` is None for the float op; ``value_scale`` is None unless the value cache is
     int8. ``max_seq_len`` / ``max_query_len`` are optional upper bounds the caller knows
     (the rewrite fills them in); the properties below fall back to shape bounds without them.
-    ``window_left`` (keys a query reaches back, itself included) and ``softcap`` (scores
-    become softcap * tanh(score / softcap)) are None when off; they follow the geometry so
-    that a record written positionally before they existed still builds.
+    ``seq_lens`` and ``query_start_loc`` are dense (build_call copies strided ones), so a
+    kernel may index them as plain arrays. ``window_left`` (keys a query reaches back,
+    itself included) and ``softcap`` (scores become softcap * tanh(score / softcap)) are
+    None when off; they follow the geometry so that a record written positionally before
+    they existed still builds.
     A NamedTuple rather than a frozen dataclass: it is built on every eager call, and a
     tuple builds in a fifth of the time.
     """

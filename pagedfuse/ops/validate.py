@@ -116,10 +116,12 @@ def check_quantize_input(x: torch.Tensor) -> None:
 class _Verdict(NamedTuple):
     """A cached check_metadata verdict: the geometry, and per pointer-checked argument
     (query, key_cache, value_cache, key_scale, value_scale) the low bits its data pointer
-    must not have (0: absent or empty, not checked)."""
+    must not have (0: absent or empty, not checked); whether seq_lens and query_start_loc
+    are dense already (else each call takes contiguous copies)."""
 
     geometry: Geometry
     masks: tuple[int, int, int, int, int]
+    dense_index: bool
 
 
 _POINTERS = (("query", ROW_ALIGN_BYTES), ("key_cache", ROW_ALIGN_BYTES),
@@ -211,6 +213,7 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
         except (AttributeError, TypeError):  # not a tensor (the checks below say which), or
             key = None                       # unhashable sizes (not plain ints)
     if verdict is not None:
+        dense = verdict.dense_index
         m = verdict.masks
         if (query.data_ptr() & m[0] or key_cache.data_ptr() & m[1]
                 or value_cache.data_ptr() & m[2] or m[3] and key_scale.data_ptr() & m[3]
@@ -222,17 +225,25 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
                                    query_start_loc, scale, attn_bias, key_scale, value_scale,
                                    fake, capability)
         check_options(window_left, softcap)
+        dense = fake or (_dense(seq_lens) and _dense(query_start_loc))
         if key is not None:
             if len(_VERDICTS) >= _VERDICT_LIMIT:
                 _VERDICTS.clear()
             _VERDICTS[key] = _Verdict(geometry, tuple(
                 0 if t is None or not t.numel() else align - 1
                 for t, (_, align) in zip((query, key_cache, value_cache, key_scale,
-                                          value_scale), _POINTERS, strict=True)))
+                                          value_scale), _POINTERS, strict=True)), dense)
+    if not dense:  # the kernels index them as plain arrays
+        seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     return _new_call(PagedCall, (op, query, key_cache, value_cache, key_scale, value_scale,
                                  block_table, seq_lens, query_start_loc, scale, causal,
                                  attn_bias, max_seq_len, max_query_len, geometry, window_left,
                                  softcap))
+
+
+def _dense(index: torch.Tensor) -> bool:
+    """A 1-D index tensor whose entries are adjacent in memory."""
+    return index.shape[0] <= 1 or index.stride(0) == 1
 
 
 def check_options(window_left: object, softcap: object) -> None:
