@@ -88,7 +88,7 @@ def main() -> None:
             err = numerics.rel_err(run(triton_backend, c, splits, hint), c.reference())
             assert err <= tol, f"{name} {dtype} splits={splits}: rel err {err:.3g} > {tol}"
             checked += 1
-    # Element-wise: fp32 to its rounding; int8 V through the int8 P.V, which quantizes P
+    # Element-wise: fp32 to its rounding; int8 V through the fp16 P.V, which rounds P
     for kind, tol, split_counts in (("float", 1e-4, (None, 3)), ("int8_kv", 4e-2, (3,))):
         for where in POISONS:
             c = poison_case(where, kind)
