@@ -49,6 +49,7 @@ import datetime
 import json
 import math
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -63,8 +64,7 @@ from pagedfuse.ops.backends import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall
 from pagedfuse.ops.reference import quantize_int8_reference
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_fidelity  # noqa: E402  (its dequantize-then-attend backend and helpers)
+BENCHMARKS = Path(__file__).resolve().parent
 
 LOG2E = 1.4426950408889634
 ROUND_BIAS = 12582912.0  # 1.5 * 2^23: x + it rounds x to an integer, ties to even
@@ -167,8 +167,8 @@ def _pv_tile(p: torch.Tensor, v8: torch.Tensor, vs: torch.Tensor, pv: str,
     pv_ = torch.where(p > 0, p * vs, torch.zeros_like(p))  # never 0 * a masked key's scale
     if pv == "float":
         weights = pv_
-    elif pv == "fp16":
-        weights = pv_.half().float()
+    elif pv == "fp16":  # held at fp16's largest value, as the CUDA kernel's kPMax
+        weights = pv_.clamp(max=65504.0).half().float()
     else:
         pmax = pv_.abs().amax(-1, keepdim=True)
         if ties_even:  # __fdividef(127, pmax), then the step as pmax * (1 / 127)
@@ -423,7 +423,7 @@ class Emulation:
     def run(cls, call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
         inputs = decode_inputs(call) if cls.variant or cls.capture else None
         if inputs is None:
-            bench_fidelity._dequantize_then_attend(call, out)
+            fidelity_module()._dequantize_then_attend(call, out)
             return
         g = call.geometry
         splits_of = lambda kernel: h200_splits(kernel, g.batch, g.num_kv_heads, g.head_dim,  # noqa: E731
@@ -436,9 +436,29 @@ class Emulation:
         out.copy_(got.reshape(out.shape))
 
 
-EMULATION = register_backend(Backend(
-    name="decode-p-emulation", device=None, priority=-2,
-    head_dims={FLOAT_OP: None, INT8_OP: None}, run=Emulation.run))
+EMULATION_BACKEND = "decode-p-emulation"
+
+
+def fidelity_module():
+    """benchmarks/bench_fidelity.py, imported on first use: importing it registers its
+    dequantize-then-attend backend, which only a measuring run wants (not a test importing
+    this module)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    import bench_fidelity
+
+    return bench_fidelity
+
+
+def register() -> None:
+    """The emulation's backend, asked only when forced (PAGEDFUSE_BACKEND)."""
+    fidelity_module()
+    from pagedfuse.ops.backends import all_backends
+
+    if EMULATION_BACKEND not in {b.name for b in all_backends()}:
+        register_backend(Backend(name=EMULATION_BACKEND, device=None, priority=-2,
+                                 head_dims={FLOAT_OP: None, INT8_OP: None},
+                                 run=Emulation.run))
 
 
 # ---- random data
@@ -478,7 +498,7 @@ def random_errors(seed: int = 0) -> list[dict]:
 
 def load_model(args: argparse.Namespace):
     loaded = smollm2.load(args.model_path)
-    ids = bench_fidelity.text_tokens(loaded.tokenizer, args.tokens)
+    ids = fidelity_module().text_tokens(loaded.tokenizer, args.tokens)
     return loaded, fidelity.sliding_windows(ids, args.window, args.prefill)
 
 
@@ -503,7 +523,7 @@ def capture_run(args: argparse.Namespace) -> dict:
     loaded, windows = load_model(args)
     Emulation.capture = Capture(all_variants(loaded.hf_model.config.head_dim))
     try:
-        scored(loaded, windows, args, EMULATION.name)
+        scored(loaded, windows, args, EMULATION_BACKEND)
         return {"tokens": args.tokens, "windows": windows.shape[0],
                 **Emulation.capture.summary()}
     finally:
@@ -524,11 +544,11 @@ def fidelity_runs(args: argparse.Namespace, record: dict) -> dict:
     for name in wanted:
         start = time.perf_counter()
         if name == "dequant":
-            scores = scored(loaded, windows, args, bench_fidelity.DEQUANTIZE.name)
+            scores = scored(loaded, windows, args, fidelity_module().DEQUANTIZE.name)
         else:
             Emulation.variant = variant_named(name, head_dim)
             try:
-                scores = scored(loaded, windows, args, EMULATION.name)
+                scores = scored(loaded, windows, args, EMULATION_BACKEND)
             finally:
                 Emulation.variant = None
         runs[name] = {"ppl_prefill": fidelity.perplexity(scores.prefill),
@@ -541,7 +561,7 @@ def fidelity_runs(args: argparse.Namespace, record: dict) -> dict:
             for which in ("prefill", "decode"):
                 runs[name][f"vs_dequant_{which}"] = (
                     runs[name][f"ppl_{which}"] / base[f"ppl_{which}"] - 1.0)
-                runs[name][f"std_error_{which}"] = bench_fidelity._paired_std_error(
+                runs[name][f"std_error_{which}"] = fidelity_module()._paired_std_error(
                     runs[name][f"window_nll_{which}"], base[f"window_nll_{which}"])
         print(f"{name}: " + ", ".join(f"{k} {v:+.4%}" if k.startswith("vs") else
                                       f"{k} {v:.4%}" if k.startswith("std") else f"{k} {v}"
@@ -572,9 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="the record, updated in place")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    register()
     record = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
     record.update(date=str(datetime.date.today()), torch=torch.__version__,
                   python=platform.python_version(), machine=platform.machine())
+    record.setdefault("commands", []).append(" ".join(
+        shlex.quote(a) for a in ["benchmarks/decode_p_precision.py", *sys.argv[1:]]))
     if args.random:
         record["random"] = random_errors()
         for row in record["random"]:
