@@ -2,44 +2,45 @@
 numerics, and of alternatives for P·V, measured on random data, on real activations and as
 perplexity.
 
-The GPU decode kernels for an INT8 V cache fold the per-token V scales into P and quantize
-P' = p * v_scale to int8 per query head and tile of keys (step = tile max / 127), run P·V as
-an int8 MMA and scale the int32 result back; the softmax denominator l sums the unquantized
-p. Two kernels do it, with different tiles (``KERNELS``):
+The GPU decode kernels for an INT8 V cache fold the per-token V scales into P. The Triton
+kernel (and the CUDA C++ one before it moved to fp16 P') quantizes P' = p * v_scale to int8
+per query head and tile of keys (step = tile max / 127), runs P·V as an int8 MMA and scales
+the int32 result back, while the softmax denominator l sums the unquantized p. The kernels
+(``KERNELS``) and what each does by default (``Kernel.pv``):
 
 - ``cuda``: csrc/cuda/paged_decode.cu (16-bit queries only): tiles of 32 keys, dealt in
   turn to the warps of a head (4 warps at head_dim 64), each with its own exp2 online
-  softmax whose max lags by up to kLazyMax = 8, P rounded to nearest even, the warps merged
-  per CTA, then the split combine.
+  softmax whose max lags by up to kLazyMax = 8, the warps merged per CTA, then the split
+  combine; P' in fp16 (``cuda/int8``: the int8 P it had, rounded to nearest even).
 - ``triton``: the split-KV kernel of pagedfuse/ops/triton_paged.py (every other decode,
-  e.g. a float32 query): tiles of BLOCK_N = 128 keys, the max moved every tile, P rounded
-  half away from zero.
+  e.g. a float32 query, as bench_fidelity's INT8 K+V model sends): tiles of BLOCK_N = 128
+  keys, the max moved every tile, int8 P rounded half away from zero.
 
 Both quantize the query per (token, head) exactly as quantize_int8 and take Q·K^T exactly in
 integers. ``emulate`` reproduces that arithmetic in float32 (tile boundaries, split chunks,
-merges and combines included) with P·V done one of several ways (``PV_MODES``): as the
-kernels do it, or an alternative, so each error source can be measured alone.
+merges and combines included) with P·V done one of several ways (``PV_MODES``), so each
+error source can be measured alone.
 
-Modes (run what you need; each writes into the one JSON record, --json):
+Modes (run what you need; each updates the one JSON record, --json):
 
 - ``--random``: each emulation against fp32 attention on the unquantized K/V, beside the
-  plain dequantize-then-attend, on random data (bench_decode's construction, so the ratio
-  compares with the GPU kernel's measured errors).
-- ``--capture N``: SmolLM2-135M over N text tokens (sliding windows of 1024, 512
-  prefilled), every decode call of every layer answered by a dequantize-then-attend while
-  each variant is computed on the same query and caches: relative error and bias of the
-  output (its signed projection on the reference output) and the signed error of the
-  attention mass that reaches the numerator, against dequantize-then-attend and against the
-  quantized query with exact P·V.
+  plain dequantize-then-attend, on random data (bench_decode's construction, so the errors
+  compare with the GPU kernels' measured ones).
+- ``--capture``: SmolLM2-135M over --tokens text tokens (sliding windows of --window,
+  --prefill prefilled), every decode call of every layer answered by a
+  dequantize-then-attend while each variant is computed on the same query and caches:
+  relative error and bias of the output (its signed projection on the reference output) and
+  the signed error of the attention mass that reaches the numerator, against
+  dequantize-then-attend and against the quantized query with exact P·V.
 - ``--fidelity VARIANT ...``: bench_fidelity's perplexity, with the prefill calls through the
   dequantize-then-attend and the decode calls through the emulated variant (``dequant``: the
-  baseline, every call plain), so the decode line is the decode kernel's loss alone. Paired
-  standard errors over windows, as bench_fidelity gives them.
+  baseline, every call plain; run first unless the record has it), so the decode line is the
+  decode kernel's loss alone. Paired standard errors over windows, as bench_fidelity gives.
 
-    .venv/bin/python benchmarks/decode_p_precision.py --random --capture 4096 \\
+    .venv/bin/python benchmarks/decode_p_precision.py --random --capture --tokens 2048 \\
         --json benchmarks/results/decode_p_precision.json
     .venv/bin/python benchmarks/decode_p_precision.py --tokens 16384 --prefill 512 \\
-        --fidelity dequant triton cuda --json benchmarks/results/decode_p_precision.json
+        --fidelity dequant triton cuda/int8 cuda --json benchmarks/results/decode_p_precision.json
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ class Kernel:
     """A decode kernel's tiling and softmax: ``tile`` keys per P quantization, ``streams``
     tiles dealt in turn per split (the CUDA kernel's warps per head; its split chunks are
     multiples of streams * tile), ``lazy`` log2 units the running max may lag (0: it moves
-    every tile), ``ties_even``: P rounds ties to even (else away from zero), ``splits``: the
-    split count (None: what the kernel's heuristics pick for the H200's 132 SMs)."""
+    every tile), ``ties_even``: int8 P rounds ties to even (else away from zero), ``pv``:
+    its P·V (a PV_MODES entry), ``splits``: the split count (None: what the kernel's
+    heuristics pick for the H200's 132 SMs)."""
 
     name: str
     tile: int
     streams: int
     lazy: float
     ties_even: bool
+    pv: str
     splits: int | None = None
 
 
@@ -90,10 +93,10 @@ def cuda_kernel(head_dim: int) -> Kernel:
     """paged_decode.cu's INT8 K+V variant (Traits<kInt8KV, D>): 32-key tiles; 4 warps on
     one head at head_dim 64, else 8 warps over 4 (128) or 2 (256) heads."""
     streams = {64: 4, 128: 2, 256: 4}[head_dim]
-    return Kernel("cuda", tile=32, streams=streams, lazy=8.0, ties_even=True)
+    return Kernel("cuda", tile=32, streams=streams, lazy=8.0, ties_even=True, pv="fp16")
 
 
-TRITON = Kernel("triton", tile=128, streams=1, lazy=0.0, ties_even=False)
+TRITON = Kernel("triton", tile=128, streams=1, lazy=0.0, ties_even=False, pv="int8")
 KERNELS = ("cuda", "triton")
 
 
@@ -310,12 +313,13 @@ def all_variants(head_dim: int) -> list[Variant]:
 
 
 def variant_named(name: str, head_dim: int) -> Variant:
-    """``kernel/pv`` (``cuda``, ``triton`` alone: P·V as that kernel does it today)."""
+    """``kernel/pv`` (``cuda``, ``triton`` alone: P·V as that kernel does it now)."""
     kernel, _, pv = name.partition("/")
-    if kernel not in KERNELS or (pv or "int8") not in PV_MODES:
+    if kernel not in KERNELS or (pv and pv not in PV_MODES):
         raise ValueError(f"variant {name!r}: want KERNEL[/PV], KERNEL in {KERNELS}, "
                          f"PV in {PV_MODES}")
-    return Variant(kernel_named(kernel, head_dim), pv or "int8")
+    found = kernel_named(kernel, head_dim)
+    return Variant(found, pv or found.pv)
 
 
 @dataclass

@@ -112,7 +112,8 @@ def test_peaked_rows_int8_p_drops_mass_that_fp16_keeps():
 
 
 def test_variant_names():
-    assert dpp.variant_named("cuda", 64) == dpp.Variant(dpp.cuda_kernel(64), "int8")
+    assert dpp.variant_named("cuda", 64) == dpp.Variant(dpp.cuda_kernel(64), "fp16")
+    assert dpp.variant_named("triton", 64) == dpp.Variant(dpp.TRITON, "int8")
     assert dpp.variant_named("triton/fp16", 64).pv == "fp16"
     with pytest.raises(ValueError, match="variant 'cuda/int4'"):
         dpp.variant_named("cuda/int4", 64)
