@@ -38,9 +38,9 @@ Modes (run what you need; each updates the one JSON record, --json):
   decode kernel's loss alone. Paired standard errors over windows, as bench_fidelity gives.
 
     .venv/bin/python benchmarks/decode_p_precision.py --random --capture --tokens 2048 \\
-        --json benchmarks/results/decode_p_precision.json
+        --json benchmarks/results/pv_precision.json
     .venv/bin/python benchmarks/decode_p_precision.py --tokens 16384 --prefill 512 \\
-        --fidelity dequant triton cuda/int8 cuda --json benchmarks/results/decode_p_precision.json
+        --fidelity dequant triton cuda/int8 cuda --json benchmarks/results/pv_precision.json
 """
 
 from __future__ import annotations
@@ -134,16 +134,19 @@ PV_MODES = ("float", "int8", "int8_consistent", "fp16", "int8x2")
 
 @dataclass(frozen=True)
 class Variant:
-    """One emulated decode: a kernel's structure, a P·V mode, and whether the query is
-    quantized (False: only for the dequantize-then-attend reference)."""
+    """One emulated decode: a kernel's structure, a P·V mode, whether the query is quantized
+    (False: only for the dequantize-then-attend reference), and whether the model's prefill
+    calls (causal, several query tokens) are emulated too (the Triton kernel's, which serves
+    a float32 query's prefill on the GPU; else they are the dequantize-then-attend)."""
 
     kernel: Kernel
     pv: str
     quantize_query: bool = True
+    prefill: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.kernel.name}/{self.pv}"
+        return f"{self.kernel.name}/{self.pv}" + ("+prefill" if self.prefill else "")
 
 
 @dataclass
@@ -194,13 +197,20 @@ def _pv_tile(p: torch.Tensor, v8: torch.Tensor, vs: torch.Tensor, pv: str,
 
 def emulate(query: torch.Tensor, k8: torch.Tensor, ks: torch.Tensor, v8: torch.Tensor,
             vs: torch.Tensor, length: int, scale: float, variant: Variant,
-            splits: int | None = None) -> Emulated:
-    """The decode of one query token per sequence over ``length`` keys each: query [B, Hq,
-    D] (float), k8/v8 [B, >= length, Hkv, D] int8 and ks/vs [B, >= length, Hkv], as the
-    kernel's tiles, softmax, merges and split combine compute it (non-finite inputs are not
-    modelled). ``splits``: None takes the kernel's own count, else its H200 count."""
+            splits: int | None = None, reads: torch.Tensor | None = None) -> Emulated:
+    """The attention of each sequence's query over its ``length`` keys: query [B, Hq, D] (a
+    decode) or [B, n, Hq, D] (n tokens, causal, the last at position length - 1: the Triton
+    kernel's prefill), k8/v8 [B, >= length, Hkv, D] int8 and ks/vs [B, >= length, Hkv], as
+    the kernel's tiles, softmax, merges and split combine compute it (non-finite inputs are
+    not modelled). ``splits``: None takes the kernel's own count, else its H200 count.
+    ``reads``: a bool mask [B, 1 or Hq, n, >= length] of the keys each row reads (a bool
+    attn_bias, which the kernel adds as 0 / -inf), in place of the causal mask. Rows of a
+    tile are independent in every kernel, so each row is emulated alone."""
     kernel = variant.kernel
-    batch, num_q_heads, head_dim = query.shape
+    decode = query.dim() == 3
+    if decode:
+        query = query.unsqueeze(1)
+    batch, rows, num_q_heads, head_dim = query.shape
     num_kv_heads = k8.shape[2]
     group = num_q_heads // num_kv_heads
     if splits is None:
@@ -210,17 +220,24 @@ def emulate(query: torch.Tensor, k8: torch.Tensor, ks: torch.Tensor, v8: torch.T
         q8, q_scale = quantize_int8_reference(query)
         q_float = q8.float()
     else:
-        q_float, q_scale = query.float(), torch.ones(query.shape[:2])
-    q_float = q_float.view(batch, num_kv_heads, group, head_dim)
-    q_scale = q_scale.view(batch, num_kv_heads, group, 1)
+        q_float, q_scale = query.float(), torch.ones(query.shape[:3])
+    q_float = q_float.view(batch, rows, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_scale = q_scale.view(batch, rows, num_kv_heads, group, 1).permute(0, 2, 3, 1, 4)
     k, v = k8[:, :length].float(), v8[:, :length].float()
-    k_scale = ks[:, :length].float().permute(0, 2, 1).unsqueeze(2)  # [B, Hkv, 1, L]
+    k_scale = ks[:, :length].float().permute(0, 2, 1)[:, :, None, None]  # [B, Hkv, 1, 1, L]
     v_scale = vs[:, :length].float().permute(0, 2, 1)  # [B, Hkv, L]
-    dots = torch.einsum("bhgd,blhd->bhgl", q_float, k)  # exact: integers below 2^24
+    dots = torch.einsum("bhgnd,blhd->bhgnl", q_float, k)  # exact: integers below 2^24
     if kernel.name == "cuda":  # sc *= (q_scale * scale_log2) * k_scale
         scores = dots * ((q_scale * scale_log2) * k_scale)
     else:  # qk * (q_scale * k_scale) * sm_scale_log2
         scores = dots * (q_scale * k_scale) * scale_log2
+    if reads is None:  # bottom-right causal
+        positions = torch.arange(rows)[:, None] + (length - rows)
+        reads = torch.arange(length)[None, :] <= positions
+    else:  # [B, 1 or Hq, n, L] -> [B, Hkv, G, n, L]
+        reads = reads[..., :length].expand(batch, num_q_heads, rows, length).reshape(
+            batch, num_kv_heads, group, rows, length)
+    scores = scores.masked_fill(~reads, float("-inf"))
 
     # Key index of every tile slot: split s, stream w, round i, token t.
     cta = kernel.tile * kernel.streams
@@ -240,11 +257,11 @@ def emulate(query: torch.Tensor, k8: torch.Tensor, ks: torch.Tensor, v8: torch.T
         return x.index_select(dim, idx).unflatten(dim, (splits, kernel.streams, rounds,
                                                         kernel.tile))
 
-    s_t = tiles(scores).masked_fill(~live, float("-inf"))  # [B, Hkv, G, S, W, R, T]
-    v_t = tiles(v.permute(0, 2, 1, 3), dim=2).unsqueeze(2)  # [B, Hkv, 1, S, W, R, T, D]
-    vs_t = tiles(v_scale).unsqueeze(2)  # [B, Hkv, 1, S, W, R, T]
+    s_t = tiles(scores).masked_fill(~live, float("-inf"))  # [B, Hkv, G, n, S, W, R, T]
+    v_t = tiles(v.permute(0, 2, 1, 3), dim=2)[:, :, None, None]  # [B, Hkv, 1, 1, S, .., D]
+    vs_t = tiles(v_scale)[:, :, None, None]  # [B, Hkv, 1, 1, S, W, R, T]
 
-    shape = s_t.shape[:5]
+    shape = s_t.shape[:6]
     m = torch.full(shape, float("-inf"))
     l_sum = torch.zeros(shape)
     mass = torch.zeros(shape)
@@ -279,12 +296,13 @@ def emulate(query: torch.Tensor, k8: torch.Tensor, ks: torch.Tensor, v8: torch.T
                 / (safe.unsqueeze(-1) if a.dim() > e.dim() else safe) for a in acc]
         return top.squeeze(dim), total, vals
 
-    m, l_sum, (o, mass) = merge(m, l_sum, o, mass, dim=4)  # over W: [B, Hkv, G, S]
+    m, l_sum, (o, mass) = merge(m, l_sum, o, mass, dim=5)  # over W: [B, Hkv, G, n, S]
     lse = torch.where(l_sum > 0, m + torch.log2(torch.where(l_sum > 0, l_sum, 1.0)),
                       float("-inf"))
-    _, _, (o, mass) = merge(lse, torch.ones_like(lse), o, mass, dim=3)
-    return Emulated(o.reshape(batch, num_q_heads, head_dim),
-                    mass.reshape(batch, num_q_heads))
+    _, _, (o, mass) = merge(lse, torch.ones_like(lse), o, mass, dim=4)
+    out = o.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_q_heads, head_dim)
+    mass = mass.permute(0, 3, 1, 2).reshape(batch, rows, num_q_heads)
+    return Emulated(out[:, 0], mass[:, 0]) if decode else Emulated(out, mass)
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -313,13 +331,15 @@ def all_variants(head_dim: int) -> list[Variant]:
 
 
 def variant_named(name: str, head_dim: int) -> Variant:
-    """``kernel/pv`` (``cuda``, ``triton`` alone: P·V as that kernel does it now)."""
-    kernel, _, pv = name.partition("/")
-    if kernel not in KERNELS or (pv and pv not in PV_MODES):
-        raise ValueError(f"variant {name!r}: want KERNEL[/PV], KERNEL in {KERNELS}, "
-                         f"PV in {PV_MODES}")
+    """``kernel[/pv][+prefill]`` (``cuda``, ``triton`` alone: P·V as that kernel does it
+    now; ``+prefill``: the prefill calls too, the Triton kernel only)."""
+    base, prefill = name.removesuffix("+prefill"), name.endswith("+prefill")
+    kernel, _, pv = base.partition("/")
+    if kernel not in KERNELS or (pv and pv not in PV_MODES) or (prefill and kernel != "triton"):
+        raise ValueError(f"variant {name!r}: want KERNEL[/PV][+prefill], KERNEL in {KERNELS}, "
+                         f"PV in {PV_MODES}, +prefill with triton only")
     found = kernel_named(kernel, head_dim)
-    return Variant(found, pv or found.pv)
+    return Variant(found, pv or found.pv, prefill=prefill)
 
 
 @dataclass
@@ -393,16 +413,22 @@ class Capture:
                 "vs_q8": {k: s.summary() for k, s in self.vs_q8.items()}}
 
 
-def decode_inputs(call: PagedCall):
-    """(query [B, Hq, D], k8, ks, v8, vs [B, L(, Hkv, D)], L) of a call the emulation takes:
-    an INT8 K+V decode, one query token per sequence, all of one length, no bias or option;
-    None for any other call."""
-    if call.value_scale is None or call.key_scale is None or call.attn_bias is not None \
-            or call.options:
+def call_inputs(call: PagedCall, prefill: bool = False):
+    """(query [B, Hq, D] or [B, n, Hq, D], k8, ks, v8, vs [B, L(, Hkv, D)], L) of a call the
+    emulation takes, and the keys each row reads (None: all, or causal): INT8 K+V, every
+    sequence as long and with as many query tokens (one with no bias, or with ``prefill``
+    several, causal or under a bool mask), no option; None for any other call."""
+    bias = call.attn_bias
+    if call.value_scale is None or call.key_scale is None or call.options or (
+            bias is not None and bias.dtype != torch.bool):
         return None
     lengths, q_lens = call.seq_lens, call.query_start_loc.diff()
-    if not lengths.numel() or not bool((q_lens == 1).all()) \
-            or not bool((lengths == lengths[0]).all()):
+    if not lengths.numel() or not bool((lengths == lengths[0]).all()) \
+            or not bool((q_lens == q_lens[0]).all()):
+        return None
+    n = int(q_lens[0])
+    if n == 0 or (n == 1 and bias is not None) or (
+            n > 1 and not (prefill and (call.causal or bias is not None))):
         return None
     g = call.geometry
     length = int(lengths[0])
@@ -411,32 +437,47 @@ def decode_inputs(call: PagedCall):
     def rows(x: torch.Tensor) -> torch.Tensor:
         return x[blocks].flatten(1, 2)[:, :length]
 
-    return (call.query, rows(call.key_cache), rows(call.key_scale), rows(call.value_cache),
-            rows(call.value_scale), length)
+    query = call.query if n == 1 else call.query.view(g.batch, n, *call.query.shape[1:])
+    reads = None
+    if bias is not None:
+        reads = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[..., :n, :length]
+        reads = reads.expand(g.batch, *reads.shape[1:])
+        if call.causal:
+            positions = torch.arange(n)[:, None] + (length - n)
+            reads = reads & (torch.arange(length)[None, :] <= positions)
+    return (query, rows(call.key_cache), rows(call.key_scale), rows(call.value_cache),
+            rows(call.value_scale), length, reads)
 
 
 class Emulation:
-    """The op's backend while measuring: decode calls as ``variant`` computes them (None:
-    the dequantize-then-attend), or observed by ``capture`` (which answers with the
-    dequantize-then-attend); every other call is the dequantize-then-attend."""
+    """The op's backend while measuring: decode calls (and prefill calls, if it says so) as
+    ``variant`` computes them (None: the dequantize-then-attend), or decode calls observed by
+    ``capture`` (which answers with the dequantize-then-attend); every other call is the
+    dequantize-then-attend."""
 
     variant: Variant | None = None
     capture: Capture | None = None
+    PREFILL_BATCH = 4  # sequences a prefill is emulated at a time (its tiles take memory)
 
     @classmethod
     def run(cls, call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
-        inputs = decode_inputs(call) if cls.variant or cls.capture else None
+        prefill = cls.variant is not None and cls.variant.prefill
+        inputs = call_inputs(call, prefill) if cls.variant or cls.capture else None
         if inputs is None:
             fidelity_module()._dequantize_then_attend(call, out)
             return
         g = call.geometry
         splits_of = lambda kernel: h200_splits(kernel, g.batch, g.num_kv_heads, g.head_dim,  # noqa: E731
                                                call.keys_bound)
+        *tensors, length, reads = inputs
         if cls.capture is not None:
-            got = cls.capture.observe(*inputs, call.scale, splits_of)
+            got = cls.capture.observe(*tensors, length, call.scale, splits_of)
         else:
-            got = emulate(*inputs, call.scale, cls.variant,
-                          splits=splits_of(cls.variant.kernel)).out
+            splits, step = splits_of(cls.variant.kernel), cls.PREFILL_BATCH
+            got = torch.cat([
+                emulate(*(x[b:b + step] for x in tensors), length, call.scale, cls.variant,
+                        splits=splits, reads=None if reads is None else reads[b:b + step]).out
+                for b in range(0, g.batch, step)])
         out.copy_(got.reshape(out.shape))
 
 
@@ -542,8 +583,8 @@ def fidelity_runs(args: argparse.Namespace, record: dict) -> dict:
     head_dim = loaded.hf_model.config.head_dim
     key = f"tokens={args.tokens} window={args.window} prefill={args.prefill}"
     runs = record.setdefault("fidelity", {}).setdefault(key, {})
-    wanted = list(args.fidelity)
-    if "dequant" not in runs and "dequant" not in wanted:
+    wanted = [name for name in args.fidelity if name != "dequant"]
+    if "dequant" not in runs or "dequant" in args.fidelity:  # the baseline first
         wanted.insert(0, "dequant")
     for name in wanted:
         start = time.perf_counter()

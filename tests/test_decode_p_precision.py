@@ -8,6 +8,7 @@ lose attention mass where fp16 P' does not, the error the emulation was built to
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +55,23 @@ def test_exact_pv_is_plain_attention(splits, quantize_query):
         torch.testing.assert_close(got.out.double(), want, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(got.mass.double(), torch.ones_like(got.mass.double()),
                                    rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_causal_rows_are_plain_causal_attention(splits):
+    """Several query tokens (the Triton kernel's prefill): row t reads keys up to position
+    length - n + t, bottom-right aligned."""
+    q, k8, ks, v8, vs, scale = _case(3, length=200)
+    rows = torch.randn(q.shape[0], 5, *q.shape[1:], generator=torch.Generator().manual_seed(4))
+    length = k8.shape[1]
+    k, v = dpp.dequantize(k8, ks), dpp.dequantize(v8, vs)
+    got = dpp.emulate(rows, k8, ks, v8, vs, length, scale,
+                      dpp.Variant(dpp.TRITON, "float", quantize_query=False), splits=splits)
+    assert got.out.shape == rows.shape
+    for t in range(5):
+        last = length - 5 + t  # the row's own position
+        want = dpp.attend(rows[:, t], k[:, :last + 1], v[:, :last + 1], scale)
+        torch.testing.assert_close(got.out[:, t].double(), want, rtol=2e-5, atol=2e-5)
 
 
 def _int8_direct(q, k8, ks, v8, vs, scale, tile: int, ties_even: bool):
@@ -115,5 +133,7 @@ def test_variant_names():
     assert dpp.variant_named("cuda", 64) == dpp.Variant(dpp.cuda_kernel(64), "fp16")
     assert dpp.variant_named("triton", 64) == dpp.Variant(dpp.TRITON, "int8")
     assert dpp.variant_named("triton/fp16", 64).pv == "fp16"
-    with pytest.raises(ValueError, match="variant 'cuda/int4'"):
-        dpp.variant_named("cuda/int4", 64)
+    assert dpp.variant_named("triton+prefill", 64).prefill
+    for bad in ("cuda/int4", "cuda+prefill"):
+        with pytest.raises(ValueError, match=f"variant '{re.escape(bad)}'"):
+            dpp.variant_named(bad, 64)

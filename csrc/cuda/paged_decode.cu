@@ -52,7 +52,7 @@
 // relative error beyond the query's quantization (the Triton kernel's 128-key tiles: 0.81%,
 // 0.51%, 1.3%; its decode perplexity on the H200 is 0.135% under dequantize-then-attend's).
 // P' in fp16: -0.0007%, -0.0003%, 0.014% (benchmarks/decode_p_precision.py emulates both
-// kernels; its record is benchmarks/results/decode_p_precision.json). Summing l from the
+// kernels; its record is benchmarks/results/pv_precision.json). Summing l from the
 // dequantized int8 P instead flips the bias (+0.25% along the output) and errs more. fp16
 // costs one PRMT and one HSUB2 per A register of V (two per 16 dims and 16 tokens) and two
 // k16 MMAs where one k32 int8 MMA was, and saves the P quantization (a max over the warp per
