@@ -51,7 +51,9 @@
 // of the attention mass on average and shrank the output by 0.15% along itself, 0.62%
 // relative error beyond the query's quantization (the Triton kernel's 128-key tiles: 0.81%,
 // 0.51%, 1.3%; its decode perplexity on the H200 is 0.135% under dequantize-then-attend's).
-// P' in fp16: -0.0007%, -0.0003%, 0.014% (benchmarks/decode_p_precision.py emulates both
+// P' in fp16: -0.0007%, -0.0003%, 0.014%. As decode perplexity over 16,384 tokens (31
+// windows, emulated on the CPU), against dequantize-then-attend's: int8 P -0.059% (paired
+// s.e. 0.057%), fp16 P' -0.009% (0.055%) (benchmarks/decode_p_precision.py emulates both
 // kernels; its record is benchmarks/results/pv_precision.json). Summing l from the
 // dequantized int8 P instead flips the bias (+0.25% along the output) and errs more. fp16
 // costs one PRMT and one HSUB2 per A register of V (two per 16 dims and 16 tokens) and two
