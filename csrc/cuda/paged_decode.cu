@@ -8,10 +8,11 @@
 // is head_dim, which K rows already are. For P·V it is the token dim, while V rows are
 // head_dim-contiguous and ldmatrix.trans moves 16-bit elements only, so Triton transposes
 // the V tile byte by byte through shared memory. Here ldmatrix.trans moves V's byte pairs
-// (two dims of one token) and one PRMT per fragment word splits each pair of them into the
-// two dims' 4 tokens: V is never moved or converted element by element. 16-bit V needs no
-// PRMT at all, and the 16-bit kinds share the INT8 kernel's tuned skeleton (block-table
-// reads, pipeline, lazy softmax, merge) instead of Triton's.
+// (two dims of one token), and one PRMT per register of the P·V MMA's A fragment takes one
+// dim's two tokens out of a fragment word, already as the fp16 pair it is short of one HSUB2
+// (int8_pair_to_half2): V is never moved through registers element by element. 16-bit V
+// needs no PRMT at all, and the 16-bit kinds share the INT8 kernel's tuned skeleton
+// (block-table reads, pipeline, lazy softmax, merge) instead of Triton's.
 //
 // Work split: one CTA of 4 or 8 warps per (group of `heads` KV heads, sequence, split),
 // heads fastest, so the CTAs that run together read the neighbouring heads of the same
@@ -23,8 +24,8 @@
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
 // stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. The
-// query heads of the group are the N = 8 columns of both MMAs (m16n8k32.s8 for 8-bit
-// operands, m16n8k16 for 16-bit ones):
+// query heads of the group are the N = 8 columns of both MMAs (Q·K^T: m16n8k32.s8 for an
+// INT8 K cache, else m16n8k16; P·V: m16n8k16 for every cache, fp16 for INT8 V):
 //   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = head dims
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes and P·V's M are free to permute, which picks the fragments so every
@@ -33,23 +34,36 @@
 // as vector loads of the 16-byte chunks t, t + 4, t + 8, ... of their rows (and of its query
 // row). P·V's K steps take tokens 4t..4t+3 of every 16 in thread t's fragments: the
 // ldmatrix rows of one 8x8 matrix are tokens {0, 1, 4, 5, 8, 9, 12, 13} (+ 2, + 16), so
-// lane t's two rows are tokens 4t, 4t + 1. Its M rows are dims 2g, 2g + 1 of each 16 (8-bit
+// lane t's two rows are tokens 4t, 4t + 1 (the m16n8k16 fragments' k 2t, 2t + 1; tokens 4t
+// + 2, 4t + 3 are its k 2t + 8, 2t + 9). Its M rows are dims 2g, 2g + 1 of each 16 (8-bit
 // V) or g, g + 8 (16-bit V). The staged rows' chunks are XOR-swizzled (Staged) so that
 // each of these reads meets every shared-memory bank once.
 // P moves from the S^T layout (heads 2t, 2t+1) to the P^T layout (head g) through 256-512
-// bytes of shared memory per warp, one word (8 bytes at head_dim 64 with 16-bit V) per head
-// and thread.
+// bytes of shared memory per warp, one word (8 bytes with 32-token tiles) per head and
+// thread.
 //
-// INT8 P·V: the per-token V scales are folded into P, P is quantized per head and tile to
-// int8 (to nearest, ties to even, by adding 1.5 * 2^23 and keeping the low byte; the Triton
-// kernel rounds ties away from zero), and the int32 result is scaled back into the fp32
-// accumulator (the MMA starts from the bits of 1.5 * 2^23, so its int32 result read as a
-// float is exactly 1.5 * 2^23 plus the sum: one FADD recovers the sum instead of a
-// quarter-rate I2F). 16-bit P·V: P is rounded to V's dtype (as FlashAttention does) and the
-// MMA accumulates into the fp32 O directly. Scores are q_scale * k_scale *
-// softmax scale * log2(e) times the dot (INT8 K), or softmax scale * log2(e) times it, then
-// an exp2 online softmax (ex2.approx.ftz: one instruction; scores are at most kLazyMax above
-// the running max, so nothing in range flushes).
+// INT8 P·V: the per-token V scales are folded into P, P' = p * v_scale is rounded to fp16,
+// V's int8 values go to fp16 exactly, and the fp16 MMA accumulates into the fp32 O directly.
+// Not int8 P (P' quantized per head and tile, step = tile max / 127, for an int8 MMA, as the
+// Triton kernel does and this one did), because that rounds every P' below half a step to 0
+// while l, summed from the unquantized p, still counts it: on SmolLM2-135M's decode calls
+// over real text (3 windows of 1024, all 30 layers), this kernel's 32-key tiles dropped 0.26%
+// of the attention mass on average and shrank the output by 0.15% along itself, 0.62%
+// relative error beyond the query's quantization (the Triton kernel's 128-key tiles: 0.81%,
+// 0.51%, 1.3%; its decode perplexity on the H200 is 0.135% under dequantize-then-attend's).
+// P' in fp16: -0.0007%, -0.0003%, 0.014%. As decode perplexity over 16,384 tokens (31
+// windows, emulated on the CPU), against dequantize-then-attend's: int8 P -0.059% (paired
+// s.e. 0.057%), fp16 P' -0.009% (0.055%) (benchmarks/decode_p_precision.py emulates both
+// kernels; its record is benchmarks/results/pv_precision.json). Summing l from the
+// dequantized int8 P instead flips the bias (+0.25% along the output) and errs more. fp16
+// costs one PRMT and one HSUB2 per A register of V (two per 16 dims and 16 tokens) and two
+// k16 MMAs where one k32 int8 MMA was, and saves the P quantization (a max over the warp per
+// head and tile, the packing) and the scaling of each tile's int32 result into O. 16-bit
+// P·V: P is rounded to V's dtype (as FlashAttention does) and the MMA accumulates into the
+// fp32 O directly. Scores are q_scale * k_scale * softmax scale * log2(e) times the dot
+// (INT8 K), or softmax scale * log2(e) times it, then an exp2 online softmax
+// (ex2.approx.ftz: one instruction; scores are at most kLazyMax above the running max, so
+// nothing in range flushes).
 //
 // Sliding window (window_left W): the query at position p = seq_len - 1 reads keys j > p - W,
 // so each sequence's keys start at max(0, seq_len - W). The split chunks and the balanced
@@ -61,9 +75,9 @@
 // instruction of it.
 //
 // The online softmax rescales lazily: the running max moves only when a tile's max exceeds it
-// by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32, bf16 and fp16 and for
-// the per-tile P quantization), so most tiles skip the O rescale, and the branch is
-// warp-uniform.
+// by more than kLazyMax (p stays below 2^kLazyMax, harmless in fp32, bf16 and fp16; for
+// INT8 V it bounds the V scales P' = p * v_scale holds in fp16, see kPMax), so most tiles
+// skip the O rescale, and the branch is warp-uniform.
 //
 // With 2-3 warps per scheduler there is little else to issue while one waits, so each
 // warp's instructions per tile count. So per-token addressing is 32-bit: each lane locates its own
@@ -88,10 +102,10 @@
 // running sum l into NaN and keeps it so (exp2 of NaN, or of +inf minus the +inf max), so l alone
 // marks the row, with no test per tile; the merges pass a NaN l on as a NaN row and log-sum-exp. A
 // K scale that is not finite counts as NaN (its dequantized row holds a NaN), and so does an INT8 V
-// scale: the quantized P·V cannot carry an Inf, so an infinite V scale makes the row NaN where
-// eager SDPA has +-Inf in the dims whose int8 value is not 0. Tokens past a split's end read the
-// sequence's last token with weight 0, so an Inf in that token's 16-bit V gives NaN in its dims
-// where eager SDPA gives +-Inf.
+// scale: P' = p * v_scale in fp16 cannot carry an Inf (kPMax), so an infinite V scale makes
+// the row NaN where eager SDPA has +-Inf in the dims whose int8 value is not 0. Tokens past a
+// split's end read the sequence's last token with weight 0, so an Inf in that token's 16-bit
+// V gives NaN in its dims where eager SDPA gives +-Inf.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -142,14 +156,19 @@ __device__ __forceinline__ unsigned long long clock_ns() {
 constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
 constexpr int kBalancedMaxBatch = 2048;  // sequences the balanced grid takes (cuda_native's)
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
+// INT8 V: P' = p * v_scale goes to fp16, and p < 2^kLazyMax, so P' is in fp16's range for V
+// scales below 2^(16 - kLazyMax) = 256 (|V| < 32512 before quantization); past that it is
+// held at fp16's largest value rather than overflowing to an Inf that a 0 in V makes NaN.
+constexpr float kPMax = 65504.f;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // What the cache holds; the codes are the C ABI's (cuda_native.KINDS lists them in order).
 enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
 
-// Bytes per K and V element, and the tokens of a warp's tile: 32 for INT8 V (its P·V MMA's
-// K), 16 for 16-bit V, 32 for 16-bit V at head_dim 64 (two MMA K steps; on the H200 4% faster
-// for bf16 and 10% for INT8 K at B=64 than 16; for INT8 V 64 measured no faster than 32) and
+// Bytes per K and V element, and the tokens of a warp's tile: 32 for INT8 V (two fp16 P·V
+// MMA K steps; tuned when it was one int8 MMA's K), 16 for 16-bit V, 32 for 16-bit V at
+// head_dim 64 (two MMA K steps; on the H200 4% faster for bf16 and 10% for INT8 K at B=64
+// than 16; for INT8 V 64 measured no faster than 32) and
 // for INT8 K at head_dim 128. There the 32-token tile takes 254 registers but halves the
 // tiles and their softmax steps: in 4-warp CTAs (2 per SM rather than 3) llama3_8b at B=64
 // then filled its waves with 1 split instead of 3, 2.5% faster at L=8192 on the H200, 1%
@@ -278,15 +297,15 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// Four values in [-127.5, 127.5], scaled by `inv`, rounded to nearest-even int8 and packed
-// (the first in the low byte): x * inv + 1.5 * 2^23 holds the rounded integer in its low
-// mantissa bits, in two's complement, so one FMA per value and three PRMT replace the
-// conversions.
-__device__ __forceinline__ uint32_t pack_int8x4(float x0, float x1, float x2, float x3,
-                                                float inv) {
-  const auto round = [inv](float x) { return __float_as_uint(__fmaf_rn(x, inv, 12582912.f)); };
-  return __byte_perm(__byte_perm(round(x0), round(x1), 0x0040),
-                     __byte_perm(round(x2), round(x3), 0x0040), 0x5410);
+// Two int8 values of a word, given offset by 128 (the word XOR 0x80808080), as an fp16 pair,
+// exactly: the PRMT `sel` puts byte sel & 3 under the exponent byte 0x64 in the low half and
+// byte (sel >> 8) & 3 in the high half, which reads as 1024 + (x + 128); one HSUB2 of 1152
+// leaves x. Two instructions per pair where a conversion instruction per value would be 4.
+__device__ __forceinline__ uint32_t int8_pair_to_half2(uint32_t offset_word, uint32_t sel) {
+  const uint32_t biased = __byte_perm(offset_word, 0x64646464u, sel);
+  const __half2 x = __hsub2(*reinterpret_cast<const __half2*>(&biased),
+                            __half2half2(__ushort_as_half(0x6480)));  // 1152
+  return *reinterpret_cast<const uint32_t*>(&x);
 }
 
 // Two values rounded to E and packed (the first in the low half).
@@ -488,7 +507,9 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   // ldmatrix.x4 reads of a V tile: 8-bit V, one per 16 dims (32 tokens); 16-bit V, one per
   // 16 dims and 16 tokens.
   constexpr int VX = kV8 ? D / 16 : D / 16 * (kTile / 16);
-  constexpr int PW = kTile * (kV8 ? 1 : 2) / 16;  // P^T words per thread
+  constexpr int PW = kTile * 2 / 16;  // P^T words per thread (16-bit P)
+  // P's type: V's for a 16-bit V cache; fp16 for INT8 V, whose int8 values are exact in it
+  using P = std::conditional_t<kV8, __half, E>;
   using Buf = TileBuf<D, KIND>;
   using KAt = typename Buf::KAt;
   using VAt = typename Buf::VAt;
@@ -500,9 +521,9 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   // seems), and it streamed up to 1.6% slower (2026-11-30).
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
-  // P of one tile per warp, [head][token]: int8 (INT8 V) or E; 256 bytes (512 for 16-bit V
-  // at head_dim 64). A thread writes one word per head (two at head_dim 64, 16-bit V).
-  __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * (kV8 ? 1 : 2)];
+  // P of one tile per warp, [head][token], 16-bit (P): 256 bytes for 16-token tiles, 512
+  // for 32. A thread writes one word per head (two for 32-token tiles).
+  __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * 2];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -706,7 +727,6 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
         for (int i = 0; i < VD; ++i) o[h][i] *= alpha;
       }
     }
-    float p_step[2];  // INT8 V: the value of one P quantization step per head
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_use = m[h] == -INFINITY ? 0.f : m[h];  // then every score is -inf
@@ -717,64 +737,51 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
         psum += sc[j][h];
       }
       l[h] += psum;  // per-thread partial; summed over g at the end
-      if constexpr (kV8) {  // P' = p * v_scale, quantized per head
-        float pmax = 0.f;
+      if constexpr (kV8) {  // P' = p * v_scale (kept in fp16's range; kPMax)
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          sc[j][h] = sc[j][h] > 0.f ? sc[j][h] * vs[j] : 0.f;  // never 0 * a garbage scale
-          pmax = fmaxf(pmax, fabsf(sc[j][h]));
+        for (int j = 0; j < ROWS; ++j) {  // never 0 * a garbage scale
+          sc[j][h] = sc[j][h] > 0.f ? fminf(sc[j][h] * vs[j], kPMax) : 0.f;
         }
-        pmax = warp_max_over_g(pmax);
-        const float inv = pmax > 0.f ? __fdividef(127.f, pmax) : 1.f;
-        static_assert(ROWS == 4, "INT8 V: a thread's 4 tokens of a head fill one word");
-        // |x| <= 127 (to a few ulp): every value rounds into int8
-        reinterpret_cast<uint32_t*>(p_row)[(2 * t + h) * (kTile / 4) + g] =
-            pack_int8x4(sc[0][h], sc[1][h], sc[2][h], sc[3][h], inv);
-        p_step[h] = pmax > 0.f ? pmax * (1.f / 127.f) : 1.f;
+      }
+      uint32_t* dst = reinterpret_cast<uint32_t*>(p_row) + ((2 * t + h) * kTile + g * ROWS) / 2;
+      if constexpr (ROWS == 4) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16x2<P>(sc[0][h], sc[1][h]),
+                                                    pack_16x2<P>(sc[2][h], sc[3][h]));
       } else {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(p_row) + ((2 * t + h) * kTile + g * ROWS) / 2;
-        if constexpr (ROWS == 4) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16x2<E>(sc[0][h], sc[1][h]),
-                                                      pack_16x2<E>(sc[2][h], sc[3][h]));
-        } else {
-          static_assert(ROWS == 2, "16-bit V: tiles of 16 or 32 tokens");
-          *dst = pack_16x2<E>(sc[0][h], sc[1][h]);
-        }
+        static_assert(ROWS == 2, "16-bit P: tiles of 16 or 32 tokens");
+        *dst = pack_16x2<P>(sc[0][h], sc[1][h]);
       }
     }
     __syncwarp();
-    // P^T fragments of head g: tokens 4t..4t+3 of each 16, the V fragments' K order.
+    // P^T fragments of head g: tokens 4t..4t+3 of each 16, the V fragments' K order (the
+    // m16n8k16 B fragment's k 2t, 2t + 1 are tokens 4t, 4t + 1 and its k 2t + 8, 2t + 9 are
+    // tokens 4t + 2, 4t + 3).
     uint32_t pb[PW];
 #pragma unroll
     for (int w = 0; w < PW; w += 2) {
-      if constexpr (kV8) {
-        pb[w] = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 16 * w + 4 * t);
-        pb[w + 1] = *reinterpret_cast<const uint32_t*>(p_row + g * kTile + 16 * w + 16 + 4 * t);
-      } else {
-        const uint2 x =
-            *reinterpret_cast<const uint2*>(p_row + (g * kTile + 8 * w + 4 * t) * 2);
-        pb[w] = x.x, pb[w + 1] = x.y;
-      }
+      const uint2 x = *reinterpret_cast<const uint2*>(p_row + (g * kTile + 8 * w + 4 * t) * 2);
+      pb[w] = x.x, pb[w + 1] = x.y;
     }
     __syncwarp();  // the next tile rewrites s_p
 
     if constexpr (kV8) {
-      // O^T += V^T P^T per 16 dims x: ldmatrix gave tokens 4t, 4t + 1 (word 0) and 4t + 2,
-      // 4t + 3 (word 1) of dims 2g, 2g + 1, so one PRMT per A word gathers one dim's 4 tokens.
-      // m-tile rows g, g + 8 are dims 16x + 2g (c0, c1) and 16x + 2g + 1 (c2, c3).
-      static_assert(kTile == 32, "INT8 V: one P·V MMA K step per tile");
-      constexpr int kBias = 0x4B400000;  // the bits of 1.5 * 2^23: |V·P| < 2^22 stays exact
+      // O^T += V^T P'^T per 16 dims x, in two k16 steps of 16 tokens: ldmatrix gave tokens
+      // 4t, 4t + 1 (word 0) and 4t + 2, 4t + 3 (word 1) of dims 2g, 2g + 1, the next 16
+      // tokens in words 2, 3; each A register is one dim's two tokens of one word, as fp16
+      // (int8_pair_to_half2). m-tile rows g, g + 8 are dims 16x + 2g (c0, c1) and 16x + 2g +
+      // 1 (c2, c3).
+      static_assert(kTile == 32, "INT8 V: two P·V MMA K steps per tile");
 #pragma unroll
       for (int x = 0; x < VX; ++x) {
         const uint32_t(&w)[4] = vm[x];
-        int acc[4] = {kBias, kBias, kBias, kBias};
-        mma_s8(acc, __byte_perm(w[0], w[1], 0x6420), __byte_perm(w[0], w[1], 0x7531),
-               __byte_perm(w[2], w[3], 0x6420), __byte_perm(w[2], w[3], 0x7531), pb[0], pb[1]);
-        const auto value = [](int bits) { return __int_as_float(bits) - 12582912.f; };
-        o[0][2 * x] += value(acc[0]) * p_step[0];
-        o[1][2 * x] += value(acc[1]) * p_step[1];
-        o[0][2 * x + 1] += value(acc[2]) * p_step[0];
-        o[1][2 * x + 1] += value(acc[3]) * p_step[1];
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const uint32_t lo = w[2 * kk] ^ 0x80808080u, hi = w[2 * kk + 1] ^ 0x80808080u;
+          mma_16<__half>(o[0][2 * x], o[1][2 * x], o[0][2 * x + 1], o[1][2 * x + 1],
+                         int8_pair_to_half2(lo, 0x4240), int8_pair_to_half2(lo, 0x4341),
+                         int8_pair_to_half2(hi, 0x4240), int8_pair_to_half2(hi, 0x4341),
+                         pb[2 * kk], pb[2 * kk + 1]);
+        }
       }
     } else {
       // O^T += V^T P^T per 16 dims and 16 tokens: ldmatrix gave the A fragment as it is. m-tile
