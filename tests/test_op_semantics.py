@@ -272,9 +272,9 @@ def check(backend: str, c: Case, where: str | None = None) -> torch.Tensor:
     assert_same(ref, eager(c), 1e-6 if c.query.dtype == torch.float32 else 1e-2)
     want = ref
     if _decode_only(backend) and c.value_scale is not None and where == "v_inf":
-        # The CUDA C++ decode's quantized P·V cannot carry an Inf: an infinite V scale makes
-        # the rows reading it NaN (csrc/cuda/paged_decode.cu), where SDPA has +-Inf in the
-        # dims whose int8 value is not 0 (and NaN in the others).
+        # The CUDA C++ decode's P·V (P' = p * v_scale in fp16) cannot carry an Inf: an infinite
+        # V scale makes the rows reading it NaN (csrc/cuda/paged_decode.cu), where SDPA has
+        # +-Inf in the dims whose int8 value is not 0 (and NaN in the others).
         want = torch.where(ref.isfinite().all(-1, keepdim=True), ref, float("nan"))
     for out in outputs(backend, c):
         assert out.dtype == c.query.dtype and out.shape == c.query.shape
