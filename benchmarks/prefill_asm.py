@@ -80,18 +80,24 @@ def _toolkit(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def small_call(geo: tuple[int, int, int], kind: str, q_len: int, causal: bool = True):
-    """A CPU PagedCall with the dtypes, strides and alignments of a real one (values unused)."""
-    hq, hkv, d = geo
-    page, seq = 16, max(q_len, 256)
-    blocks = seq // page
-    k = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
-    v = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
+def _caches(blocks: int, hkv: int, d: int, kind: str):
+    """CPU K/V caches of 16-token pages in ``kind``'s format, with their scales (or None)."""
+    k = torch.randn(blocks, 16, hkv, d).to(torch.bfloat16)
+    v = torch.randn(blocks, 16, hkv, d).to(torch.bfloat16)
     ks = vs = None
     if kind != "bf16":
         k, ks = quantize_int8_reference(k)
     if kind == "int8_kv":
         v, vs = quantize_int8_reference(v)
+    return k, v, ks, vs
+
+
+def small_call(geo: tuple[int, int, int], kind: str, q_len: int, causal: bool = True):
+    """A CPU PagedCall with the dtypes, strides and alignments of a real one (values unused)."""
+    hq, hkv, d = geo
+    seq = max(q_len, 256)
+    blocks = seq // 16
+    k, v, ks, vs = _caches(blocks, hkv, d, kind)
     return paged_call(torch.randn(q_len, hq, d).to(torch.bfloat16), k, v,
                       torch.arange(blocks, dtype=torch.int32)[None], torch.tensor([seq]),
                       torch.tensor([0, q_len]), 1 / math.sqrt(d), causal, key_scale=ks,
@@ -187,14 +193,8 @@ def decode_rows() -> list[dict]:
     for name, (hq, hkv, d) in GEOMETRIES.items():
         for kind in KINDS:
             for option, values in DECODE_OPTIONS.items():
-                page, blocks = 16, DECODE_KEYS // 16
-                k = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
-                v = torch.randn(blocks, page, hkv, d).to(torch.bfloat16)
-                ks = vs = None
-                if kind != "bf16":
-                    k, ks = quantize_int8_reference(k)
-                if kind == "int8_kv":
-                    v, vs = quantize_int8_reference(v)
+                blocks = DECODE_KEYS // 16
+                k, v, ks, vs = _caches(blocks, hkv, d, kind)
                 call = paged_call(
                     torch.randn(DECODE_BATCH, hq, d).to(torch.bfloat16), k, v,
                     torch.zeros(DECODE_BATCH, blocks, dtype=torch.int32),
