@@ -270,15 +270,19 @@ def check(backend: str, c: Case, where: str | None = None) -> torch.Tensor:
     (or the narrower result the backend documents for the non-finite input ``where``)."""
     ref = reference(c)
     assert_same(ref, eager(c), 1e-6 if c.query.dtype == torch.float32 else 1e-2)
-    want = ref
-    if _decode_only(backend) and c.value_scale is not None and where == "v_inf":
-        # The CUDA C++ decode's P·V (P' = p * v_scale in fp16) cannot carry an Inf: an infinite
-        # V scale makes the rows reading it NaN (csrc/cuda/paged_decode.cu), where SDPA has
-        # +-Inf in the dims whose int8 value is not 0 (and NaN in the others).
-        want = torch.where(ref.isfinite().all(-1, keepdim=True), ref, float("nan"))
+    v_inf = _decode_only(backend) and c.value_scale is not None and where == "v_inf"
     for out in outputs(backend, c):
         assert out.dtype == c.query.dtype and out.shape == c.query.shape
-        assert_same(out, want, _tol(backend, c))
+        if v_inf:
+            # The CUDA C++ decode's P·V (P' = p * v_scale in fp16): an infinite V scale gives
+            # SDPA's +-Inf (NaN where the int8 value is 0) when one block holds the row, and a
+            # NaN row when split partials meet in the combine (csrc/cuda/paged_decode.cu).
+            # Either way the row is poisoned; finite rows still equal the reference.
+            bad = ~ref.isfinite().all(-1, keepdim=True)
+            assert bad.any()
+            nan_rows = out.isnan().all(-1, keepdim=True)
+            out = torch.where(bad & nan_rows, ref.to(out.dtype), out)
+        assert_same(out, ref, _tol(backend, c))
     return ref
 
 
@@ -430,8 +434,6 @@ KNOWN_DEVIATIONS = {
     ("triton_prefill", None, "k_nan_masked"): "a bool mask drops a masked NaN score",
     ("triton_prefill", None, "v_nan_after_position"):
         "the diagonal tile's tensor-core P·V meets a NaN V with weight 0",
-    **{(path, "int8_kv", "v_inf"): "an infinite INT8 V scale makes the row NaN"
-       for path in ("cuda_native", "cuda_native_splits", "cuda_native_balanced")},
 }
 
 
