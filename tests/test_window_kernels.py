@@ -203,9 +203,10 @@ def test_distinct_blocks_is_a_permutation():
     assert bool((c.block_table[0, 15:] >= 40).all())
 
 
-# On the GPU. The CUDA C++ decode takes the grid's decode calls, the Triton split-KV kernel
-# every call; each must take what it is given (a decline fails rather than skips).
-GPU_BACKENDS = ("cuda_decode", "triton")
+# On the GPU. The CUDA C++ decode takes the grid's decode calls, the Triton prefill kernel
+# its calls with q_len > 1, the Triton split-KV kernel every call; each must take what it is
+# given (a decline fails rather than skips).
+GPU_BACKENDS = {"cuda_decode": "decode", "triton_prefill": "qlen", "triton": ""}
 
 
 def gpu_tolerance(c: Case) -> float:
@@ -215,8 +216,8 @@ def gpu_tolerance(c: Case) -> float:
 
 def _gpu_params() -> list:
     return [pytest.param(backend, case, id=f"{backend}-{case.name}")
-            for case in GPU_GRID for backend in GPU_BACKENDS
-            if backend == "triton" or case.name.startswith("decode")]
+            for case in GPU_GRID for backend, prefix in GPU_BACKENDS.items()
+            if case.name.startswith(prefix)]
 
 
 @pytest.mark.cuda
@@ -284,9 +285,10 @@ def test_gpu_kernels_read_only_the_windows_pages(backend, kind):
 
 
 @pytest.mark.cuda
-def test_windowed_decode_takes_the_cuda_decode_and_plans_the_window():
+def test_windowed_calls_take_the_fast_kernels():
     """A decode call with a window and a cap goes to the CUDA C++ decode by default, and its
-    launch plan is the one of a context as long as the window."""
+    launch plan is the one of a context as long as the window; a prompt with them goes to
+    the prefill kernel."""
     pytest.importorskip("triton")
     from pagedfuse.ops.backends import cuda_decode
 
@@ -299,3 +301,7 @@ def test_windowed_decode_takes_the_cuda_decode_and_plans_the_window():
                       dtype=torch.bfloat16, device="cuda").call(max_seq_len=256,
                                                                  max_query_len=1)
     assert plan == cuda_decode.make_plan(short)
+    prompt = make_case(seq_lens=(5000, 300), q_lens=(700, 1), num_q_heads=32, num_kv_heads=8,
+                       head_dim=128, dtype=torch.bfloat16, window_left=256, softcap=30.0,
+                       device="cuda")
+    assert choose(prompt.call()).name == "triton_prefill"

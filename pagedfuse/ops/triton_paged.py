@@ -65,28 +65,32 @@ def _load_rows(base_ptr, row_off, offs_d, valid):
 
 
 @triton.jit
-def _pv_non_finite(p, v, reads):
+def _pv_non_finite(p, v, reads, PRECISION: tl.constexpr):
     """sum_j p[i, j] v[j, :] over the keys row i reads, in IEEE arithmetic, for fp32 p
     [M, N] (0 where a read key is masked) and fp32 v [N, D] holding NaN or Inf: the finite
-    part by one product, the non-finite elements by counting, per row and dim, the read keys
-    that bring a NaN (a NaN, or an Inf times weight 0) or an Inf of either sign."""
+    part by one product at the kernel's precision, the non-finite elements by counting, per
+    row and dim, the read keys that bring a NaN (a NaN, or an Inf times weight 0) or an Inf
+    of either sign. The counts multiply 0/1 matrices, exact in fp16 with fp32 sums, so they
+    run on the tensor cores: as fp32 FMA products they made a 64-row tile spill 180 KB and
+    its compile take minutes, though this branch runs only on a non-finite V."""
     bad = (v != v) | (tl.abs(v) == float("inf"))
-    part = tl.dot(p, tl.where(bad, 0.0, v), input_precision="ieee")
-    read = reads.to(tl.float32)
-    weighted = (reads & (p > 0.0)).to(tl.float32)
-    is_nan = (v != v).to(tl.float32)
-    pos_inf = (v == float("inf")).to(tl.float32)
-    neg_inf = (v == -float("inf")).to(tl.float32)
-    nans = tl.dot(read, is_nan, input_precision="ieee") + tl.dot(
-        read - weighted, pos_inf + neg_inf, input_precision="ieee")
-    pos = tl.dot(weighted, pos_inf, input_precision="ieee") > 0.0
-    neg = tl.dot(weighted, neg_inf, input_precision="ieee") > 0.0
+    part = tl.dot(p, tl.where(bad, 0.0, v), input_precision=PRECISION)
+    read = reads.to(tl.float16)
+    weighted = (reads & (p > 0.0)).to(tl.float16)
+    unweighted = (reads & ~(p > 0.0)).to(tl.float16)
+    is_nan = (v != v).to(tl.float16)
+    pos_inf = (v == float("inf")).to(tl.float16)
+    neg_inf = (v == -float("inf")).to(tl.float16)
+    nans = tl.dot(read, is_nan, out_dtype=tl.float32) + tl.dot(
+        unweighted, pos_inf + neg_inf, out_dtype=tl.float32)
+    pos = tl.dot(weighted, pos_inf, out_dtype=tl.float32) > 0.0
+    neg = tl.dot(weighted, neg_inf, out_dtype=tl.float32) > 0.0
     part = tl.where(pos, float("inf"), tl.where(neg, -float("inf"), part))
     return tl.where((nans > 0.0) | (pos & neg), float("nan"), part)
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     """tanh in fp32: below |x| = 0.25 its odd Taylor polynomial to x^9 (relative error
     < 1e-8), from there (1 - e) / (1 + e) with e = 2^(-2|x| log2 e), which loses at most two
     bits to the subtraction. +-inf give +-1; a NaN stays NaN (it reaches the far branch)."""
@@ -178,7 +182,7 @@ def _attend_rows(
         else:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
         if SOFTCAP:
-            s = softcap_log2 * _tanh(s * (1.0 / softcap_log2))
+            s = softcap_log2 * tanh(s * (1.0 / softcap_log2))
         reads = n_ok[None, :] & row_ok[:, None]  # the keys each row reads
         if CAUSAL:
             reads = reads & (offs_n[None, :] <= last_key[:, None])
@@ -208,7 +212,8 @@ def _attend_rows(
                               mask=n_ok, other=0.0)
             if tl.max((~(tl.abs(v_scale) < float("inf"))).to(tl.int32), axis=0) > 0:
                 if QT > 1:
-                    part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads)
+                    part = _pv_non_finite(p, v.to(tl.float32) * v_scale[:, None], reads,
+                                          PRECISION)
                 else:
                     part = _pv_non_finite_scales(p, v, v_scale)
             else:
@@ -225,7 +230,7 @@ def _attend_rows(
         elif CAUSAL and QT > 1:  # rows of the tile read different keys
             v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
             if tl.max(tl.max(v_bad.to(tl.int32), axis=1), axis=0) > 0:
-                part = _pv_non_finite(p, v.to(tl.float32), reads)
+                part = _pv_non_finite(p, v.to(tl.float32), reads, PRECISION)
             else:
                 part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         elif WINDOW and QT > 1:
@@ -236,7 +241,7 @@ def _attend_rows(
             if tl.max(tl.max(skipped.to(tl.int32), axis=1), axis=0) > 0:
                 v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
                 if tl.max(tl.max(v_bad.to(tl.int32), axis=1), axis=0) > 0:
-                    part = _pv_non_finite(p, v.to(tl.float32), reads)
+                    part = _pv_non_finite(p, v.to(tl.float32), reads, PRECISION)
                 else:
                     part = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             else:

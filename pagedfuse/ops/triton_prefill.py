@@ -24,12 +24,20 @@ synchronisation, so a launch captures in a CUDA graph. Block ids in [-num_blocks
 as in ``cache[block_table]``; lengths and block ids are clamped so that bad values can never
 move a read outside the cache or the table.
 
+Windows and soft caps (the ops' ``window_left`` and ``softcap``): a query at position p
+reads keys j > p - window_left, and a tile walks keys from its first row's window start;
+keys some row's window leaves out are masked, keys every row's window holds run unmasked,
+and keys before the first row's window are never loaded (their pages, block ids and scales
+included). A capped score becomes c * tanh(s / c) in the log2 domain (c = softcap * log2 e)
+before the bias and the masks, so a capped tile cannot fold the scale into the exponent.
+
 NaN and Inf: a NaN or +inf score reaches its row through the row sum (exp2 makes its
 weight NaN), and a non-finite INT8 K scale counts as NaN, as the reference has it. Two
 cases differ from the reference, which follows eager SDPA over the keys each row reads: a
 bool mask drops a masked key's score instead of adding -inf to it (a NaN score it masks
 does not reach the row), and the tensor-core P·V on the causal diagonal multiplies a NaN
-or Inf in V into rows that do not read that key (with weight 0). A version that followed
+or Inf in V into rows that do not read that key (with weight 0), as it does at a window's
+start inside a tile. A version that followed
 the reference there cost accuracy at head_dim 256 on the H200 (bf16 error 1.2e-2 against
 SDPA's 2.1e-3, 2026-12-01) and was not kept. A third: an INT8 K scale above about 2.7e31
 (keys above 3.4e33) overflows the per-key constant of the score conversion below and makes
@@ -55,7 +63,7 @@ import triton.language as tl
 from pagedfuse.ops import cuda
 from pagedfuse.ops.call import PagedCall
 from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plans, prefill_unsupported
-from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds
+from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds, tanh
 from pagedfuse.ops.triton_quantize import quantize_int8
 
 MAGIC: tl.constexpr = tl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
@@ -90,21 +98,25 @@ def _key_scales(s_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks, st
 
 
 @triton.jit
-def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
-          k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
+def _step(acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
+          k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+          window_left,
           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
           stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
           stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
           INT8_K: tl.constexpr, V_INT8: tl.constexpr, PV_INT8: tl.constexpr,
           CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr,
-          MASKED: tl.constexpr):
+          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASKED: the tile may
-    reach past the sequence or the causal diagonal, or carries a bias; otherwise every key
-    is in bounds and visible to every row."""
+    reach past the sequence, the causal diagonal or a row's window start, or carries a
+    bias; otherwise every key is in bounds and visible to every row. Keys before ``first``
+    (the tile's first row's window start) are read by no row and not loaded."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_ok = offs_n < seq_len
+    if WINDOW:
+        n_ok = n_ok & (offs_n >= first)
     slot = offs_n % PAGE
     blk = _blocks(bt_row_ptr, offs_n, n_ok, stride_btn, num_blocks, PAGE, MASKED)
     k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
@@ -126,11 +138,16 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
     else:
         s = tl.dot(q, tl.trans(k))
     # log2-domain logits are s * row_scale (row_scale >= 0: the softmax scale is positive)
-    if MASKED:
+    if MASKED or SOFTCAP:
         s = s * row_scale[:, None]
+        if SOFTCAP:  # c * tanh(s / c) in the log2 domain, c = softcap * log2(e)
+            s = softcap_log2 * tanh(s * (1.0 / softcap_log2))
+    if MASKED:
         keep = n_ok[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= (ctx + t)[:, None])
+        if WINDOW:
+            keep = keep & (offs_n[None, :] > (ctx + t - window_left)[:, None])
         if HAS_BIAS:
             bias_off = (b * stride_ab + head[:, None] * stride_ah
                         + tl.minimum(t, bias_rows - 1)[:, None] * stride_am
@@ -143,6 +160,10 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp2(s - m_use[:, None])
+    elif SOFTCAP:  # every key visible, scores capped above
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
         p = tl.exp2(s - m_use[:, None])
     else:  # every key visible: the scale folds into one FMA per score
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_scale)
@@ -176,20 +197,23 @@ def _step(acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out
 @triton.jit
 def prefill_kernel(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks,
-    max_blocks, split_keys, stride_qt, stride_qh, stride_qst, stride_qsh,
+    out_ptr, part_o_ptr, part_lse_ptr, sm_scale_log2, softcap_log2, window_left, num_tokens,
+    num_q_heads, num_blocks, max_blocks, split_keys, stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
     GROUP: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, INT8_K: tl.constexpr, V_INT8: tl.constexpr,
     PV_INT8: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BIAS_BOOL: tl.constexpr, MIN_Q: tl.constexpr, MAX_Q: tl.constexpr, SPLITS: tl.constexpr,
+    BIAS_BOOL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    MIN_Q: tl.constexpr, MAX_Q: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles * SPLITS, batch). Only sequences with MIN_Q to
     MAX_Q query tokens (0: no upper bound) are served; another launch takes the rest. With
     SPLITS > 1, split s reads keys [s * split_keys, (s + 1) * split_keys) and writes its
-    normalized rows and log2-sum-exps to part_o / part_lse, for combine_splits_kernel."""
+    normalized rows and log2-sum-exps to part_o / part_lse, for combine_splits_kernel.
+    Read only under their flags: ``softcap_log2`` (SOFTCAP), softcap * log2(e), and
+    ``window_left`` (WINDOW), >= 1."""
     TOKENS: tl.constexpr = BLOCK_M // PACK  # PACK need not divide BLOCK_M: spare rows idle
     pid_h = tl.program_id(0)
     # causal: the longest tiles start first
@@ -234,29 +258,49 @@ def prefill_kernel(
         lo = split * split_keys
         hi = tl.minimum(hi, lo + split_keys)
         full = tl.minimum(full, hi)
+    # Three key ranges: masked from lo (keys some rows' windows leave out), unmasked from
+    # lo_full (every row's window holds them) to full, masked from there to hi.
+    first = 0
+    lo_full = lo
+    if WINDOW:
+        first = tl.maximum(ctx + t0 + 1 - window_left, 0)  # the first row's window start
+        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
+        last = tl.minimum(t0 + TOKENS, q_len) - 1  # the tile's last query token
+        lo_full = tl.maximum(lo, tl.cdiv(tl.maximum(ctx + last + 1 - window_left, 0), BLOCK_N)
+                             * BLOCK_N)
+        lo_full = tl.minimum(lo_full, hi)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(lo, full, BLOCK_N):
+    for start in range(lo, lo_full, BLOCK_N):
         acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
             stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
             BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-            MASKED=False)
-    for start in range(tl.maximum(full, lo), hi, BLOCK_N):
+            WINDOW, SOFTCAP, MASKED=True)
+    for start in range(lo_full, full, BLOCK_N):
         acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, row_scale, start, b, kvh, head, t, ctx, seq_len, out_ptr,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
             stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
             BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-            MASKED=True)
+            WINDOW, SOFTCAP, MASKED=False)
+    for start in range(tl.maximum(full, lo_full), hi, BLOCK_N):
+        acc, m_i, l_i = _step(
+            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
+            WINDOW, SOFTCAP, MASKED=True)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw no key writes zeros
     out_row = tok * num_q_heads + head
     if SPLITS > 1:
@@ -292,6 +336,9 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
     kc, vc = call.key_cache, call.value_cache
     part_o, part_lse = partials or (out, out)  # never written with one split
+    # A window as long as the table holds keys hides none: clamped there it stays an int32.
+    window = 0 if call.window_left is None else min(call.window_left,
+                                                    g.max_blocks * g.block_size)
     queries = min(call.query_bound, plan.max_q) if plan.max_q else call.query_bound
     tiles = triton.cdiv(queries, plan.tokens)
     split_keys = triton.cdiv(triton.cdiv(call.context_bound, plan.splits), plan.block_n) * \
@@ -299,7 +346,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
     grid = (g.num_q_heads // plan.pack, tiles * plan.splits, g.batch)
     args = (
         q, q_scale, kc, vc, ks, vs, call.block_table, call.seq_lens, call.query_start_loc,
-        bias, out, part_o, part_lse, call.scale * LOG2E, g.num_tokens, g.num_q_heads,
+        bias, out, part_o, part_lse, call.scale * LOG2E, (call.softcap or 0.0) * LOG2E,
+        window, g.num_tokens, g.num_q_heads,
         g.num_blocks, g.max_blocks, split_keys, q.stride(0), q.stride(1),
         *(q_scale.stride() if call.int8_k else (0, 0)),
         *kc.stride()[:3], *vc.stride()[:3],
@@ -311,7 +359,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, INT8_K=call.int8_k, V_INT8=call.int8_v,
         PV_INT8=plan.pv == "int8", CAUSAL=call.causal, HAS_BIAS=call.attn_bias is not None,
-        BIAS_BOOL=bias_bool, MIN_Q=max(min_query_len, plan.min_q), MAX_Q=plan.max_q,
+        BIAS_BOOL=bias_bool, WINDOW=call.window_left is not None,
+        SOFTCAP=call.softcap is not None, MIN_Q=max(min_query_len, plan.min_q), MAX_Q=plan.max_q,
         SPLITS=plan.splits, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     return Launch(grid, args, options)

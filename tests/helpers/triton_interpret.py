@@ -122,6 +122,20 @@ def main() -> None:
                                        equal_nan=True, msg=lambda m, w=where, s=splits:
                                        f"decode int8_kv V scale {w} splits={s}: {m}")
             checked += 1
+    # The prefill kernel (fp16 only) on the window and soft-cap cases with q_len > 1: its own
+    # plan, and 16-row tiles of 16 keys packing two heads over 3 key splits (window starts
+    # then fall inside tiles and splits)
+    prefill = get_backend("triton_prefill")
+    for name, case in cases:
+        if name.startswith("decode"):
+            continue
+        c = in_dtype(case, torch.float16)
+        call = c.call(capability=False)
+        tol = numerics.kernel_tolerance(torch.float16, call.kind)
+        for plan in (None, prefill.make_plan(call, block_m=16, pack=2, block_n=16, splits=3)):
+            err = numerics.rel_err(c.run_backend(prefill, plan), c.reference())
+            assert err <= tol, f"prefill {name} plan={plan}: rel err {err:.3g} > {tol}"
+            checked += 1
     print(f"checked {checked} runs")
 
 

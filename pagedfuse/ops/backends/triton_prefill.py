@@ -23,7 +23,8 @@ def make_plan(call: PagedCall, **overrides: object) -> PrefillPlan:
 
 
 def supports(call: PagedCall) -> str | None:
-    return options_missing(call, "triton_prefill") or prefill_unsupported(call)
+    return (options_missing(call, "triton_prefill", implemented=("window_left", "softcap"))
+            or prefill_unsupported(call))
 
 
 BACKEND = register_backend(Backend(
