@@ -162,7 +162,7 @@ bool make_key(int op, c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key
   key.push_back(registry_generation());
   for (const std::string& name : state().switches) append_text(key, std::getenv(name.c_str()));
   for (const c10::IValue& v : args) {
-    if (v.isTensor()) {
+    if (v.isTensor() && v.toTensor().defined()) {
       const at::Tensor& t = v.toTensor();
       if (t.layout() != at::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
         return false;
@@ -174,7 +174,7 @@ bool make_key(int op, c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key
       key.push_back(t.dim());
       for (const int64_t s : t.sizes()) key.push_back(s);
       for (const int64_t s : t.strides()) key.push_back(s);
-    } else if (v.isNone()) {
+    } else if (v.isNone() || v.isTensor()) {  // an undefined tensor is an absent one
       key.push_back(0);
     } else if (v.isDouble()) {
       const double d = v.toDouble();
@@ -206,7 +206,8 @@ Positions positions(OpKind kind) {
 }
 
 const at::Tensor* optional_tensor(c10::ArrayRef<c10::IValue> args, int at) {
-  return at >= 0 && args[at].isTensor() ? &args[at].toTensor() : nullptr;
+  return at >= 0 && args[at].isTensor() && args[at].toTensor().defined() ? &args[at].toTensor()
+                                                                         : nullptr;
 }
 
 uintptr_t address(const at::Tensor* t) {
@@ -438,7 +439,7 @@ class Op {
     ++state().table.misses;
     std::vector<int64_t> saved = keyed ? key : std::vector<int64_t>{};  // fill may re-enter
     py::gil_scoped_acquire gil;
-    const py::tuple result = call_python(fill_, args);
+    const auto result = call_python(fill_, args).cast<py::tuple>();
     if (keyed && !result[1].is_none()) {
       state().table.install(std::move(saved), make_entry(result[1].cast<py::dict>()));
     }
@@ -465,10 +466,10 @@ class Op {
   }
 
  private:
-  static py::tuple call_python(const py::object& fn, c10::ArrayRef<c10::IValue> args) {
+  static py::object call_python(const py::object& fn, c10::ArrayRef<c10::IValue> args) {
     py::tuple values(args.size());
     for (size_t i = 0; i < args.size(); ++i) values[i] = torch::jit::toPyObject(args[i]);
-    return py::tuple(fn(*values));
+    return fn(*values);
   }
 
   void push_result(Stack* stack, size_t n, const py::handle& result) const {
