@@ -610,3 +610,26 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@host
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_kv", "int8_k"])
+def test_a_repeated_cuda_decode_launches_from_cpp(empty_table, kind):
+    """On the GPU the CUDA C++ decode's launch is kept per signature: the second call is a
+    hit on the current stream, and each call equals the reference on fresh data."""
+    if not cuda_native.decode_available(torch.device("cuda")):
+        pytest.skip("the CUDA C++ decode library is not built for this GPU")
+    case = make_case(seq_lens=(300, 17, 120), q_lens=(1, 1, 1), kind=kind, seed=27,
+                     dtype=torch.bfloat16, device="cuda")
+    for first in (True, False, False):
+        out, hits, misses = _stats_after(lambda: case.run_op(max_query_len=1))
+        assert (hits, misses) == ((0, 1) if first else (1, 0))
+        assert numerics.rel_err(out, case.reference()) <= 2e-2
+        _refill(case)
+    x = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16)
+    torch.ops.pagedfuse.quantize_int8(x)
+    (q, scale), hits, _ = _stats_after(lambda: torch.ops.pagedfuse.quantize_int8(x))
+    expected_q, expected_scale = quantize_int8_reference(x.cpu())
+    assert hits == 1
+    assert torch.equal(q.cpu(), expected_q) and torch.equal(scale.cpu(), expected_scale)
