@@ -15,7 +15,7 @@ HF_TESTS := tests/test_hf_continuous_batching.py tests/test_real_model.py tests/
 setup: $(STAMP)
 
 # numpy before the build: setup.py imports torch, which warns without it.
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc/*.cpp csrc/*.h)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc/*.cpp csrc/*.h csrc/host/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel "pybind11>=2.12" numpy
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"

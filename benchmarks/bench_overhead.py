@@ -17,6 +17,11 @@ kernel runs on the host too, so ``run`` is part of the call; ``op - run`` is the
 that runs nothing (``noop``, registered for the run at the top priority): the host path
 alone, dispatch, checks, choice and output allocation (on the CPU with check_values, which
 the op runs there on every call; on CUDA without).
+Where pagedfuse._host (csrc/host) is built, a repeated call signature is launched from C++
+without entering Python (only check_values runs there, where the op runs it), so the op's
+time can be below that of the Python ``run`` piece; a backend without a C++ launcher (the
+reference, noop) runs its every call through the Python path. The record says which
+(``host_path``).
 The lines are printed; --json DIR keeps each device's record as DIR/overhead-<device>-<time>.json
 (benchmarks/results/ is where summarize.py reads them).
 
@@ -40,6 +45,7 @@ import torch
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
 from pagedfuse import envs
+from pagedfuse.ops import library
 from pagedfuse.ops.backends import (
     Backend,
     all_backends,
@@ -231,7 +237,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if name == "cuda" else
             platform.processor() or platform.machine(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "threads": args.threads, "batch": BATCH, "length": LENGTH[name], "page": PAGE,
+            "threads": args.threads, "host_path": library.HOST is not None, "batch": BATCH,
+            "length": LENGTH[name], "page": PAGE,
             "calls_per_loop": args.calls, "loops": args.reps,
             "env": {var: getattr(envs, var) for var in ("PAGEDFUSE_PDL", "PAGEDFUSE_BALANCED",
                                                         "PAGEDFUSE_CHECKS")},

@@ -11,6 +11,9 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +23,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pagedfuse.ops  # noqa: F401  (registers torch.ops.pagedfuse.*)
 from pagedfuse import envs, numerics
-from pagedfuse.ops import cuda_native, validate
+from pagedfuse.ops import cuda_native, library, validate
 from pagedfuse.ops.backends import Backend, choose, get_backend, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, Geometry, PagedCall
+from pagedfuse.ops.reference import quantize_int8_reference
 from pagedfuse.ops.validate import build_call
 
 
@@ -412,3 +416,220 @@ def test_strided_lengths_on_the_gpu_match_the_reference(kind):
     strided = case.with_(seq_lens=_strided(case.seq_lens),
                          query_start_loc=_strided(case.query_start_loc))
     assert numerics.rel_err(strided.run_op(), case.reference()) <= 2e-2
+
+
+# --- the C++ host path (csrc/host/host.cpp): a repeated signature never enters Python ---------
+
+host = pytest.mark.skipif(library.HOST is None, reason="pagedfuse._host is not built")
+
+
+@pytest.fixture
+def empty_table():
+    """The C++ table without the signatures earlier tests left (the same shapes recur)."""
+    library.HOST.clear()
+
+
+def _stats_after(fn) -> tuple[object, int, int]:
+    """fn's result, and the C++ table's hits and misses during it."""
+    before = library.HOST.stats()
+    result = fn()
+    after = library.HOST.stats()
+    return result, after["hits"] - before["hits"], after["misses"] - before["misses"]
+
+
+def _op_into_freed_nan(case) -> torch.Tensor:
+    """case.run_op() right after a NaN block of the output's size was freed, which the CPU
+    allocator hands out next: an element the kernel does not write stays NaN."""
+    poison = torch.full(case.query.shape, float("nan"), dtype=case.query.dtype)
+    del poison
+    return case.run_op()
+
+
+def _refill(case) -> None:
+    """Fresh random values in the case's query and caches, in place (the same signature)."""
+    case.query.copy_(torch.randn_like(case.query))
+    for cache in (case.key_cache, case.value_cache):
+        if cache.dtype == torch.int8:
+            cache.copy_(torch.randint_like(cache, -127, 128))
+        else:
+            cache.copy_(torch.randn_like(cache))
+
+
+@host
+@pytest.mark.parametrize("kind,options", [("float", {}), ("int8_kv", {}), ("int8_k", {}),
+                                          ("float", {"window_left": 9, "softcap": 20.0})])
+def test_a_repeated_signature_launches_from_cpp(empty_table, kind, options):
+    """The first call of a signature runs in Python and leaves its launch in the C++ table;
+    the next ones are hits, and each equals the float64 reference on fresh random data."""
+    case = make_case(seq_lens=(37, 20, 5), q_lens=(1, 4, 2), kind=kind, seed=21, **options)
+    out, hits, misses = _stats_after(lambda: _op_into_freed_nan(case))
+    assert (hits, misses) == (0, 1)
+    assert numerics.rel_err(out, case.reference()) <= 1e-5
+    for _ in range(3):
+        _refill(case)
+        out, hits, misses = _stats_after(lambda: _op_into_freed_nan(case))
+        assert (hits, misses) == (1, 0)
+        assert numerics.rel_err(out, case.reference()) <= 1e-5
+
+
+@host
+def test_a_changed_signature_is_a_miss_not_a_wrong_launch(empty_table):
+    """Calls that differ from a launched one only in a stride, a dtype, a hint, the scale or
+    an option miss the table: each runs in Python first, then has its own launch."""
+    case = make_case(seq_lens=(29, 11), q_lens=(1, 1), seed=22)
+    case.run_op()
+    t, hq, d = case.query.shape
+    strided = torch.randn(t, hq, d + 8)[..., :d]  # rows 288 bytes apart
+    variants = {
+        "stride": (case.with_(query=strided), {}),
+        "dtype": (case.with_(query=case.query.bfloat16(), key_cache=case.key_cache.bfloat16(),
+                             value_cache=case.value_cache.bfloat16()), {}),
+        "hint": (case, {"max_seq_len": 29}),
+        "scale": (case.with_(scale=case.scale * 2), {}),
+        "window": (case.with_(window_left=4), {}),
+    }
+    for name, (variant, hints) in variants.items():
+        expected = variant.reference()
+        for first in (True, False):
+            out, hits, misses = _stats_after(lambda v=variant, h=hints: v.run_op(**h))
+            assert (hits, misses) == ((0, 1) if first else (1, 0)), name
+            assert numerics.rel_err(out, expected) <= (1e-2 if name == "dtype" else 1e-5), name
+
+
+@host
+def test_value_checks_and_alignment_still_run_on_a_hit():
+    """check_values runs on every CPU call, a hit included, and a data pointer off its
+    alignment under a launched signature is sent to Python, which raises its error."""
+    case = make_case(seq_lens=(40, 16), q_lens=(1, 1), num_blocks=8, seed=23)
+    case.run_op()
+    _, hits, _ = _stats_after(case.run_op)
+    assert hits == 1
+    too_long = case.seq_lens.clone()
+    too_long[1] = 10_000
+    with pytest.raises(ValueError, match="seq_lens: max 10000 exceeds"):
+        case.with_(seq_lens=too_long).run_op()
+    outside = case.block_table.clone()
+    outside[0, 0] = 8
+    with pytest.raises(ValueError, match=r"block_table: entries in use span"):
+        case.with_(block_table=outside).run_op()
+    shifted = torch.empty(case.query.numel() + 1)[1:].view(case.query.shape)  # 4 bytes off
+    shifted.copy_(case.query)
+    with pytest.raises(ValueError, match="query: data pointer is not 16-byte aligned"):
+        case.with_(query=shifted).run_op()
+
+
+@host
+def test_a_forced_backend_and_a_new_backend_are_honoured_on_a_launched_signature(monkeypatch):
+    """PAGEDFUSE_BACKEND joins every signature: forcing a backend without a C++ launcher after
+    a signature was launched runs that backend on every call; unsetting it returns to the
+    launch. A backend registered afterwards takes the next call."""
+    case = make_case(seq_lens=(21, 8), seed=24)
+    expected = case.reference()
+    case.run_op()
+    counting, runs = _counting("counting")
+    with registered(counting):
+        assert numerics.rel_err(case.run_op(), expected) <= 1e-5
+        assert len(runs) == 1  # the top priority now
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", "counting")
+        for _ in range(2):
+            case.run_op()
+        assert len(runs) == 3
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", "cpu")
+        case.run_op()
+        _, hits, _ = _stats_after(case.run_op)
+        assert hits == 1 and len(runs) == 3
+    monkeypatch.delenv("PAGEDFUSE_BACKEND")
+    case.run_op()  # the registry has changed: a miss
+    out, hits, _ = _stats_after(case.run_op)
+    assert hits == 1 and len(runs) == 3
+    assert numerics.rel_err(out, expected) <= 1e-5
+
+
+@host
+def test_quantize_int8_repeats_from_cpp_bit_for_bit():
+    x = torch.randn(5, 3, 64)
+    quantize = torch.ops.pagedfuse.quantize_int8
+    quantize(x)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x) * 7)
+        (q, scale), hits, misses = _stats_after(lambda: quantize(x))
+        assert (hits, misses) == (1, 0)
+        expected_q, expected_scale = quantize_int8_reference(x)
+        assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
+
+
+@host
+def test_grad_mode_inputs_still_fail_at_backward_after_a_launch():
+    case = make_case(seq_lens=(13, 6), seed=25)
+    plain = case.run_op()
+    query = case.query.clone().requires_grad_()
+    out = case.with_(query=query).run_op()
+    assert out.requires_grad and torch.equal(out.detach(), plain)
+    with pytest.raises(RuntimeError, match="pagedfuse::paged_attention has no backward"):
+        out.sum().backward()
+
+
+@host
+def test_the_table_is_bounded():
+    """Past its limit the table starts over: the calls after that are still launched right."""
+    library.HOST.set_limit(2)
+    try:
+        for batch in (1, 2, 3):
+            case = make_case(seq_lens=tuple(range(9, 9 + batch)), seed=30 + batch)
+            assert numerics.rel_err(case.run_op(), case.reference()) <= 1e-5
+            assert library.HOST.stats()["entries"] <= 2
+        _, hits, _ = _stats_after(case.run_op)
+        assert hits == 1
+    finally:
+        library.HOST.set_limit(4096)
+
+
+def test_the_ops_run_without_the_extension():
+    """Where pagedfuse._host is not built, the Python kernels serve every call."""
+    script = """
+import sys
+sys.modules["pagedfuse._host"] = None  # an import of it raises ImportError
+sys.path.insert(0, "tests")
+import torch
+from helpers.cases import make_case
+from pagedfuse import numerics
+from pagedfuse.ops import library
+assert library.HOST is None
+case = make_case(seq_lens=(17, 5), kind="int8_kv", seed=26)
+for _ in range(2):
+    assert numerics.rel_err(case.run_op(), case.reference()) <= 1e-5
+out = case.with_(query=case.query.clone().requires_grad_()).run_op()
+try:
+    out.sum().backward()
+except RuntimeError as err:
+    assert "has no backward" in str(err)
+else:
+    raise AssertionError("backward ran")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@host
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_kv", "int8_k"])
+def test_a_repeated_cuda_decode_launches_from_cpp(empty_table, kind):
+    """On the GPU the CUDA C++ decode's launch is kept per signature: the second call is a
+    hit on the current stream, and each call equals the reference on fresh data."""
+    if not cuda_native.decode_available(torch.device("cuda")):
+        pytest.skip("the CUDA C++ decode library is not built for this GPU")
+    case = make_case(seq_lens=(300, 17, 120), q_lens=(1, 1, 1), kind=kind, seed=27,
+                     dtype=torch.bfloat16, device="cuda")
+    for first in (True, False, False):
+        out, hits, misses = _stats_after(lambda: case.run_op(max_query_len=1))
+        assert (hits, misses) == ((0, 1) if first else (1, 0))
+        assert numerics.rel_err(out, case.reference()) <= 2e-2
+        _refill(case)
+    x = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16)
+    torch.ops.pagedfuse.quantize_int8(x)
+    (q, scale), hits, _ = _stats_after(lambda: torch.ops.pagedfuse.quantize_int8(x))
+    expected_q, expected_scale = quantize_int8_reference(x.cpu())
+    assert hits == 1
+    assert torch.equal(q.cpu(), expected_q) and torch.equal(scale.cpu(), expected_scale)

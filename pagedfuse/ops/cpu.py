@@ -56,47 +56,42 @@ def _bias_args(attn_bias: torch.Tensor | None, batch: int, num_q_heads: int):
     return bias, kind, strides
 
 
-def _scale_args(scale: torch.Tensor | None) -> tuple[int, list[int]]:
-    return (0, [0, 0, 0]) if scale is None else (scale.data_ptr(), list(scale.stride()))
+def _scale_strides(scale: torch.Tensor | None) -> list[int]:
+    return [0, 0, 0] if scale is None else list(scale.stride())
 
 
-def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
-    """Fill the contiguous ``out`` [T, Hq, D]. The C++ side reads each sequence's own lengths,
-    so it needs neither the ``max_*`` hints nor a plan (it splits work by the thread count).
-    """
-    ext = _extension()
-    query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def signature_args(call: PagedCall) -> dict[str, object] | None:
+    """The C++ kernel's arguments for ``call`` but data pointers and the thread count: what
+    depends on the call signature alone, which the C++ host path keeps per signature. None
+    for an attn_bias of a 16-bit dtype, which each call widens to a float32 copy."""
+    bias = call.attn_bias
+    if bias is not None and bias.dtype not in (torch.bool, torch.float32):
+        return None
+    _, bias_kind, bias_strides = _bias_args(bias, call.geometry.batch, call.geometry.num_q_heads)
+    return _static_args(call, bias_kind, bias_strides)
+
+
+def _static_args(call: PagedCall, bias_kind: int, bias_strides: list[int]) -> dict[str, object]:
     geo = call.geometry
-    table, lens, starts = (_index(call.block_table), _index(call.seq_lens),
-                           _index(call.query_start_loc))
-    bias, bias_kind, bias_strides = _bias_args(call.attn_bias, geo.batch, geo.num_q_heads)
-    key_scale_ptr, key_scale_strides = _scale_args(call.key_scale)
-    value_scale_ptr, value_scale_strides = _scale_args(call.value_scale)
     # 0: no window (a window is >= 1); one as long as the table holds keys hides none:
     # clamped there, the kernel's position arithmetic cannot overflow
     window = 0 if call.window_left is None else min(call.window_left,
                                                     geo.max_blocks * geo.block_size)
-    ext.paged_attention({
-        "out": out.data_ptr(),
-        "query": query.data_ptr(),
-        "query_dtype": _DTYPE_CODES[query.dtype],
-        "query_strides": list(query.stride()[:2]),
-        "key_cache": key_cache.data_ptr(),
-        "key_dtype": _DTYPE_CODES[key_cache.dtype],
-        "key_strides": list(key_cache.stride()[:3]),
-        "value_cache": value_cache.data_ptr(),
-        "value_dtype": _DTYPE_CODES[value_cache.dtype],
-        "value_strides": list(value_cache.stride()[:3]),
-        "key_scale": key_scale_ptr,
-        "key_scale_strides": key_scale_strides,
-        "value_scale": value_scale_ptr,
-        "value_scale_strides": value_scale_strides,
-        "block_table": table.data_ptr(),
+    return {
+        "query_dtype": _DTYPE_CODES[call.query.dtype],
+        "query_strides": list(call.query.stride()[:2]),
+        "key_dtype": _DTYPE_CODES[call.key_cache.dtype],
+        "key_strides": list(call.key_cache.stride()[:3]),
+        "value_dtype": _DTYPE_CODES[call.value_cache.dtype],
+        "value_strides": list(call.value_cache.stride()[:3]),
+        "key_scale_strides": _scale_strides(call.key_scale),
+        "value_scale_strides": _scale_strides(call.value_scale),
         "max_blocks": geo.max_blocks,
         "num_blocks": geo.num_blocks,
-        "seq_lens": lens.data_ptr(),
-        "query_start_loc": starts.data_ptr(),
-        "attn_bias": 0 if bias is None else bias.data_ptr(),
         "bias_kind": bias_kind,
         "bias_strides": bias_strides,
         "num_tokens": geo.num_tokens,
@@ -109,6 +104,30 @@ def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) 
         "causal": bool(call.causal),
         "window_left": window,
         "softcap": float(call.softcap or 0.0),  # 0: no cap (a cap is > 0)
+    }
+
+
+def paged_attention_into(call: PagedCall, out: torch.Tensor, plan: None = None) -> None:
+    """Fill the contiguous ``out`` [T, Hq, D]. The C++ side reads each sequence's own lengths,
+    so it needs neither the ``max_*`` hints nor a plan (it splits work by the thread count).
+    """
+    ext = _extension()
+    table, lens, starts = (_index(call.block_table), _index(call.seq_lens),
+                           _index(call.query_start_loc))
+    bias, bias_kind, bias_strides = _bias_args(call.attn_bias, call.geometry.batch,
+                                               call.geometry.num_q_heads)
+    ext.paged_attention({
+        **_static_args(call, bias_kind, bias_strides),
+        "out": out.data_ptr(),
+        "query": call.query.data_ptr(),
+        "key_cache": call.key_cache.data_ptr(),
+        "value_cache": call.value_cache.data_ptr(),
+        "key_scale": _pointer(call.key_scale),
+        "value_scale": _pointer(call.value_scale),
+        "block_table": table.data_ptr(),
+        "seq_lens": lens.data_ptr(),
+        "query_start_loc": starts.data_ptr(),
+        "attn_bias": _pointer(bias),
         "threads": torch.get_num_threads(),
     })
 
@@ -120,7 +139,12 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=torch.int8)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32)
     if scale.numel():  # rows of length 0 get scale 0
-        ext.quantize_int8(src.data_ptr(), _DTYPE_CODES[src.dtype], scale.numel(), x.shape[-1],
+        ext.quantize_int8(src.data_ptr(), dtype_code(src), scale.numel(), x.shape[-1],
                           q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
     return q, scale
+
+
+def dtype_code(t: torch.Tensor) -> int:
+    """The kernels' code of t's dtype (csrc/common.h's Dtype)."""
+    return _DTYPE_CODES[t.dtype]
 

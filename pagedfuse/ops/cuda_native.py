@@ -375,6 +375,25 @@ def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
         out.data_ptr(), _ptr(workspace), _ptr(counters)))
 
 
+def host_launch(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int) -> dict | None:
+    """What the C++ host path (csrc/host/host.cpp) keeps for decode_into's launch of this
+    call signature: the record's bytes, the scratch bytes, whether the query is copied, and
+    the library's entry points by address. None for the balanced grid, whose counters
+    (balanced_counters: per stream, zeroed inside CUDA graphs) stay in Python."""
+    record = _record(call, splits, heads, pdl, ctas)
+    if record.counts:
+        return None
+    lib = library()
+    return {"launcher": "cuda_decode", "record": bytes(record.launch),
+            "workspace": record.workspace, "copy_query": record.copy_query,
+            "launch": _address(lib.pagedfuse_decode_fused),
+            "error_string": _address(lib.pagedfuse_cuda_error_string)}
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def kernel_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
                 q_scale: torch.Tensor | None, splits: int, heads: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
@@ -400,6 +419,15 @@ def kernel_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
 
 
 _QUANTIZE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the C codes
+
+
+def host_quantize(x: torch.Tensor) -> dict:
+    """What the C++ host path keeps for quantize_int8's launch of x's signature (on a device
+    decode_available): the dtype code and the library's entry points by address."""
+    lib = library()
+    return {"launcher": "cuda_quantize", "dtype": _QUANTIZE_DTYPES[x.dtype],
+            "launch": _address(lib.pagedfuse_quantize),
+            "error_string": _address(lib.pagedfuse_cuda_error_string)}
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,18 +19,22 @@ rewrite's ``kernel`` check never fuses such a site).
 """
 
 from collections.abc import Callable
+from functools import partial
+from types import ModuleType
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from pagedfuse import envs
-from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel
+from pagedfuse.ops import backends
+from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, empty_contiguous
 from pagedfuse.ops.validate import (
     build_call,
     check_metadata,
     check_quantize_input,
     check_values,
+    pointer_masks,
     value_checks_enabled,
 )
 
@@ -55,14 +59,16 @@ def _backend(call: PagedCall) -> Backend:
         return get_backend("reference")
 
 
-def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
-         key_scale: Tensor | None, value_scale: Tensor | None, block_table: Tensor,
-         seq_lens: Tensor, query_start_loc: Tensor, scale: float, causal: bool,
-         attn_bias: Tensor | None, max_seq_len: int | None,
-         max_query_len: int | None, window_left: int | None = None,
-         softcap: float | None = None) -> Tensor:
-    """The op on real tensors. The dispatcher hands the scalars over as the schema types
-    them (scale and softcap as float, causal as bool), so they go into the call as given."""
+def _attend(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
+            key_scale: Tensor | None, value_scale: Tensor | None, block_table: Tensor,
+            seq_lens: Tensor, query_start_loc: Tensor, scale: float, causal: bool,
+            attn_bias: Tensor | None, max_seq_len: int | None,
+            max_query_len: int | None, window_left: int | None = None,
+            softcap: float | None = None) -> tuple[Tensor, PagedCall, Backend | None]:
+    """The op on real tensors: its output, the validated call and the backend that ran it
+    (None: an empty output, nothing to run). The dispatcher hands the scalars over as the
+    schema types them (scale and softcap as float, causal as bool), so they go into the
+    call as given."""
     call = build_call(op, query, key_cache, value_cache, key_scale, value_scale, block_table,
                       seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
                       max_query_len, window_left=window_left, softcap=softcap)
@@ -72,9 +78,11 @@ def _run(op: str, query: Tensor, key_cache: Tensor, value_cache: Tensor,
     g = call.geometry
     out = empty_contiguous(query, (g.num_tokens, g.num_q_heads, g.head_dim), query.dtype,
                            (g.num_q_heads * g.head_dim, g.head_dim, 1))
+    backend = None
     if out.numel():
-        _backend(call).run(call, out, None)
-    return out
+        backend = _backend(call)
+        backend.run(call, out, None)
+    return out, call, backend
 
 
 def _paged_attention(
@@ -96,9 +104,9 @@ def _paged_attention(
     """Attention of packed queries [T, Hq, D] over a paged float KV cache (docs/design.md).
     ``window_left``: a query at position p reads keys j > p - window_left only;
     ``softcap``: scaled scores s become softcap * tanh(s / softcap) before attn_bias."""
-    return _run(FLOAT_OP, query, key_cache, value_cache, None, None, block_table, seq_lens,
-                query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len,
-                window_left, softcap)
+    return _attend(FLOAT_OP, query, key_cache, value_cache, None, None, block_table, seq_lens,
+                   query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len,
+                   window_left, softcap)[0]
 
 
 def _paged_attention_int8(
@@ -121,15 +129,24 @@ def _paged_attention_int8(
 ) -> Tensor:
     """Paged attention over an INT8 K cache (per-token, per-KV-head scales); V int8 or float.
     ``window_left`` and ``softcap`` as for paged_attention."""
-    return _run(INT8_OP, query, key_cache, value_cache, key_scale, value_scale, block_table,
-                seq_lens, query_start_loc, scale, causal, attn_bias, max_seq_len,
-                max_query_len, window_left, softcap)
+    return _attend(INT8_OP, query, key_cache, value_cache, key_scale, value_scale,
+                   block_table, seq_lens, query_start_loc, scale, causal, attn_bias,
+                   max_seq_len, max_query_len, window_left, softcap)[0]
 
 
 def _quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8 over the last dim: (x_int8, scale = max|x| / 127 as float32)."""
     check_quantize_input(x)
     return quantize_kernel(x.device.type)(x)
+
+
+def _host_quantize(x: Tensor) -> tuple[tuple[Tensor, Tensor], dict | None]:
+    """quantize_int8 for the C++ host path's miss: the result, and the launch its table keeps
+    for x's signature where the device's quantize kernel has a C++ launcher."""
+    check_quantize_input(x)
+    kernel = quantize_kernel(x.device.type)
+    launch = _HOST_QUANTIZE.get(kernel)
+    return kernel(x), None if launch is None else launch(x)
 
 
 def _paged_attention_fake(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -161,10 +178,10 @@ class _NoBackward(torch.autograd.Function):
     have no gradient formula (the rewrite keeps such sites as written)."""
 
     @staticmethod
-    def forward(ctx, op, keyset, options, *args):
+    def forward(ctx, op, options, *args):
         ctx.op_name = op.name()
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset, *args, **options)
+            return op(*args, **options)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -191,7 +208,7 @@ def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
 
     def kernel(keyset, *args, **options):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args[:tensors]):
-            return _NoBackward.apply(op, keyset & _AFTER_AUTOGRAD, options, *args)
+            return _NoBackward.apply(op, options, *args)
         raw = keyset.raw_repr()
         below_is_plain = plain.get(raw)
         if below_is_plain is None:
@@ -206,17 +223,91 @@ def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
     return kernel
 
 
-def _define(name: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """Define pagedfuse::``name`` with the schema of ``impl``'s signature; returns the op."""
+def _requiring_grad(op: torch._ops.OpOverload) -> Callable:
+    """The C++ Autograd kernel's call for inputs that require grad, which hands over every
+    argument positionally: _NoBackward with the keyword-only ones as keywords."""
+    arguments = op._schema.arguments
+    keywords = [a.name for a in arguments if a.kwarg_only]
+    leading = len(arguments) - len(keywords)
+
+    def call(*args):
+        return _NoBackward.apply(op, dict(zip(keywords, args[leading:], strict=True)),
+                                 *args[:leading])
+
+    return call
+
+
+# --- the C++ host path (csrc/host/host.cpp) --------------------------------------------------
+# Where pagedfuse._host is built, it holds the ops' Autograd, CPU and CUDA kernels: a call whose
+# signature it has seen before runs without Python; a miss runs the Python implementation
+# below (_host_attention, _host_quantize), whose spec (None: always Python) it keeps per
+# signature. The switches the Python path reads per call join every signature.
+_HOST_SWITCHES = ("PAGEDFUSE_BACKEND", "PAGEDFUSE_CHECKS", "PAGEDFUSE_PDL", "PAGEDFUSE_BALANCED")
+_HOST_OPS = (FLOAT_OP, INT8_OP, "quantize_int8")  # host.cpp's OpKind codes
+
+
+def _extension() -> ModuleType | None:
+    try:
+        from pagedfuse import _host
+    except ImportError:  # not built: every call runs the Python implementation
+        return None
+    _host.configure(registry, list(_HOST_SWITCHES))
+    return _host
+
+
+HOST = _extension()
+
+
+def _host_launchers() -> tuple[dict[Backend, Callable], dict[Callable, Callable]]:
+    """The backends with a C++ launcher (backend -> host_launch(call)) and the quantize
+    kernels with one (kernel -> host_quantize(x)): each returns the spec host.cpp reads, or
+    None for a call it leaves to Python."""
+    modules = [m for m in (backends.cpu, getattr(backends, "cuda_decode", None)) if m]
+    return ({m.BACKEND: m.host_launch for m in modules},
+            {m.BACKEND.quantize: m.host_quantize for m in modules})
+
+
+_HOST_LAUNCH, _HOST_QUANTIZE = _host_launchers()
+
+
+def _host_attention(op: str) -> Callable:
+    """The attention op ``op`` for the C++ host path's miss (its schema's arguments, all
+    positional): the output, and what the table keeps for the call's signature."""
+    def fill(query: Tensor, key_cache: Tensor, value_cache: Tensor,
+             *rest: object) -> tuple[Tensor, dict | None]:
+        args = (query, key_cache, value_cache, *((None, None) if op == FLOAT_OP else ()), *rest)
+        out, call, backend = _attend(op, *args)  # args in _attend's order
+        launch = _HOST_LAUNCH.get(backend)
+        # strided index tensors (build_call copies them per call) stay in Python
+        if launch is None or call.seq_lens is not args[6] or call.query_start_loc is not args[7]:
+            return out, None
+        spec = launch(call)
+        if spec is None:
+            return out, None
+        checks = partial(check_values, call.geometry) if value_checks_enabled(query.device) \
+            else None
+        return out, {**spec, "masks": pointer_masks(call), "checks": checks}
+
+    return fill
+
+
+def _define(name: str, impl: Callable, fake: Callable, fill: Callable) -> torch._ops.OpOverload:
+    """Define pagedfuse::``name`` with the schema of ``impl``'s signature; returns the op.
+    ``fill``: the op for the C++ host path's miss."""
     schema = torch.library.infer_schema(impl, mutates_args=())
     _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     op = getattr(torch.ops.pagedfuse, name).default
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
-    _LIB.impl(name, _autograd_kernel(op, impl), "Autograd", with_keyset=True)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")  # every device the C++ one is not for
+    if HOST is None:
+        _LIB.impl(name, _autograd_kernel(op, impl), "Autograd", with_keyset=True)
+    else:
+        HOST.register_op(name, _HOST_OPS.index(name), fill, _requiring_grad(op))
     torch.library.register_fake(f"pagedfuse::{name}", fake, lib=_LIB)
     return op
 
 
-paged_attention = _define(FLOAT_OP, _paged_attention, _paged_attention_fake)
-paged_attention_int8 = _define(INT8_OP, _paged_attention_int8, _paged_attention_int8_fake)
-quantize_int8 = _define("quantize_int8", _quantize_int8, _quantize_int8_fake)
+paged_attention = _define(FLOAT_OP, _paged_attention, _paged_attention_fake,
+                          _host_attention(FLOAT_OP))
+paged_attention_int8 = _define(INT8_OP, _paged_attention_int8, _paged_attention_int8_fake,
+                               _host_attention(INT8_OP))
+quantize_int8 = _define("quantize_int8", _quantize_int8, _quantize_int8_fake, _host_quantize)

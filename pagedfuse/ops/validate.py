@@ -133,6 +133,19 @@ _VERDICTS: dict[tuple, _Verdict] = {}
 _VERDICT_LIMIT = 4096
 
 
+def pointer_masks(call: PagedCall) -> tuple[int, int, int, int, int]:
+    """Per pointer-checked argument of ``call`` (in _POINTERS' order) the low bits its data
+    pointer must not have: 0 where absent or empty (not checked). The verdict cache and the
+    C++ host path (library.py) check a repeated signature's pointers with these."""
+    return _pointer_masks((call.query, call.key_cache, call.value_cache, call.key_scale,
+                           call.value_scale))
+
+
+def _pointer_masks(tensors: tuple) -> tuple[int, int, int, int, int]:
+    return tuple(0 if t is None or not t.numel() else align - 1
+                 for t, (_, align) in zip(tensors, _POINTERS, strict=True))
+
+
 def _check_pointers(masks: tuple[int, ...], tensors: tuple) -> None:
     """Raise for the first of ``tensors`` (in _POINTERS' order) whose data pointer has bits
     of its mask set."""
@@ -229,10 +242,8 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
         if key is not None:
             if len(_VERDICTS) >= _VERDICT_LIMIT:
                 _VERDICTS.clear()
-            _VERDICTS[key] = _Verdict(geometry, tuple(
-                0 if t is None or not t.numel() else align - 1
-                for t, (_, align) in zip((query, key_cache, value_cache, key_scale,
-                                          value_scale), _POINTERS, strict=True)), dense)
+            _VERDICTS[key] = _Verdict(geometry, _pointer_masks(
+                (query, key_cache, value_cache, key_scale, value_scale)), dense)
     if not dense:  # the kernels index them as plain arrays
         seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     return _new_call(PagedCall, (op, query, key_cache, value_cache, key_scale, value_scale,

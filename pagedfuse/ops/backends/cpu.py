@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from pagedfuse.ops import cpu
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
@@ -14,6 +16,18 @@ INT8_HEAD_DIMS = frozenset({64, 128, 256})
 
 def supports(call: PagedCall) -> str | None:
     return options_missing(call, "cpu", implemented=("window_left", "softcap"))
+
+
+def host_launch(call: PagedCall) -> dict | None:
+    """What the C++ host path (csrc/host) launches this call's signature with: the kernel's
+    arguments but pointers (None: the call stays in Python)."""
+    args = cpu.signature_args(call)
+    return None if args is None else {"launcher": "cpu", "args": args}
+
+
+def host_quantize(x: torch.Tensor) -> dict:
+    """The C++ host path's launch of quantize_int8 for x's signature."""
+    return {"launcher": "cpu_quantize", "dtype": cpu.dtype_code(x)}
 
 
 BACKEND = register_backend(Backend(

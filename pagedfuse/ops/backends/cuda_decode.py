@@ -133,13 +133,23 @@ def supports(call: PagedCall) -> str | None:
     return cuda_native.decode_unsupported(call)
 
 
+def _pdl(call: PagedCall, plan: DecodePlan) -> int:
+    return (cuda_native.PDL_OFF if not plan.pdl else
+            cuda_native.PDL_AFTER_QUANTIZE if call.int8_k else cuda_native.PDL_WAIT_FIRST)
+
+
 def run(call: PagedCall, out: torch.Tensor, plan: DecodePlan | None = None) -> None:
     """Fill the contiguous ``out`` [T, Hq, D] in one launch call: the query's quantization
     (INT8 K), the decode grid, then the split combine where there are several splits."""
     p = make_plan(call) if plan is None else plan
-    pdl = (cuda_native.PDL_OFF if not p.pdl else
-           cuda_native.PDL_AFTER_QUANTIZE if call.int8_k else cuda_native.PDL_WAIT_FIRST)
-    cuda_native.decode_into(call, out, p.splits, p.config.heads, pdl=pdl, ctas=p.ctas)
+    cuda_native.decode_into(call, out, p.splits, p.config.heads, pdl=_pdl(call, p), ctas=p.ctas)
+
+
+def host_launch(call: PagedCall) -> dict | None:
+    """What the C++ host path (csrc/host) launches this call's signature with: the default
+    plan's launch record (None: the call stays in Python)."""
+    p = make_plan(call)
+    return cuda_native.host_launch(call, p.splits, p.config.heads, _pdl(call, p), p.ctas)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +158,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if cuda_native.decode_available(x.device):
         return cuda_native.quantize_int8(x)
     return triton_quantize.quantize_int8(x)
+
+
+def host_quantize(x: torch.Tensor) -> dict | None:
+    """The C++ host path's launch of quantize_int8 for x's signature: the library's kernel,
+    where it runs on x's device (None: Triton's, in Python)."""
+    return cuda_native.host_quantize(x) if cuda_native.decode_available(x.device) else None
 
 
 BACKEND = register_backend(Backend(
