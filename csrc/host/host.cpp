@@ -3,8 +3,9 @@
 // Python.
 //
 // A device kernel keys each call by its signature: every argument (a tensor's dtype, device,
-// sizes and strides; each scalar as given), the registry's generation and the PAGEDFUSE_*
-// switches the Python path reads. On a miss it calls the op's Python implementation, which
+// sizes and strides; each scalar as given) and the PAGEDFUSE_* switches the Python path reads;
+// the table is cleared on every change of the backend registry (registry.on_change).
+// So a hit takes the GIL only for the value checks, where the op runs them. On a miss it calls the op's Python implementation, which
 // validates (validate.py, the one place of the rules), picks the backend, runs it, and may hand
 // back a launch spec for the signature. On a hit it only matches: a data pointer with bits of
 // the spec's alignment masks set is a miss (Python then raises its error), value checks run
@@ -122,8 +123,6 @@ class Table {
 // interpreter is gone.
 struct State {
   Table table;
-  PyObject* registry_dict = nullptr;  // the backend registry module's globals
-  PyObject* generation_name = nullptr;
   std::vector<std::string> switches;  // PAGEDFUSE_* variables the Python path reads per call
   std::vector<std::unique_ptr<torch::Library>> libraries;
 };
@@ -148,18 +147,11 @@ void append_text(std::vector<int64_t>& key, const char* text) {
   }
 }
 
-int64_t registry_generation() {
-  py::gil_scoped_acquire gil;
-  PyObject* value = PyDict_GetItem(state().registry_dict, state().generation_name);
-  return value == nullptr ? -1 : PyLong_AsLongLong(value);
-}
-
 // The call's signature; false for an argument that has none here (a symbolic size, a layout
 // other than strided), which then always goes to Python.
 bool make_key(int op, c10::ArrayRef<c10::IValue> args, std::vector<int64_t>& key) {
   key.clear();
   key.push_back(op);
-  key.push_back(registry_generation());
   for (const std::string& name : state().switches) append_text(key, std::getenv(name.c_str()));
   for (const c10::IValue& v : args) {
     if (v.isTensor() && v.toTensor().defined()) {
@@ -527,16 +519,11 @@ PYBIND11_MODULE(_host, m) {
   m.attr("CUDA") = kCuda;
   m.def(
       "configure",
-      [](const py::module_& registry, const std::vector<std::string>& switches) {
-        State& s = state();
-        Py_XDECREF(s.registry_dict);
-        s.registry_dict = registry.attr("__dict__").ptr();
-        Py_INCREF(s.registry_dict);
-        if (s.generation_name == nullptr) s.generation_name = PyUnicode_InternFromString("generation");
-        s.switches = switches;
-        s.table.clear();
+      [](const std::vector<std::string>& switches) {
+        state().switches = switches;
+        state().table.clear();
       },
-      "The registry module (its `generation` joins every key) and the switches read per call.");
+      "The switches read per call, which join every signature.");
   m.def(
       "register_op",
       [](const std::string& name, int kind, py::object fill, py::object grad) {

@@ -26,7 +26,6 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from pagedfuse import envs
-from pagedfuse.ops import backends
 from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, empty_contiguous
 from pagedfuse.ops.validate import (
@@ -145,7 +144,8 @@ def _host_quantize(x: Tensor) -> tuple[tuple[Tensor, Tensor], dict | None]:
     for x's signature where the device's quantize kernel has a C++ launcher."""
     check_quantize_input(x)
     kernel = quantize_kernel(x.device.type)
-    launch = _HOST_QUANTIZE.get(kernel)
+    launch = next((b.host_quantize for b in registry.backends_for(x.device.type)
+                   if b.quantize is kernel), None)
     return kernel(x), None if launch is None else launch(x)
 
 
@@ -251,23 +251,12 @@ def _extension() -> ModuleType | None:
         from pagedfuse import _host
     except ImportError:  # not built: every call runs the Python implementation
         return None
-    _host.configure(registry, list(_HOST_SWITCHES))
+    _host.configure(list(_HOST_SWITCHES))
+    registry.on_change(_host.clear)  # its signatures hold the registry's choices
     return _host
 
 
 HOST = _extension()
-
-
-def _host_launchers() -> tuple[dict[Backend, Callable], dict[Callable, Callable]]:
-    """The backends with a C++ launcher (backend -> host_launch(call)) and the quantize
-    kernels with one (kernel -> host_quantize(x)): each returns the spec host.cpp reads, or
-    None for a call it leaves to Python."""
-    modules = [m for m in (backends.cpu, getattr(backends, "cuda_decode", None)) if m]
-    return ({m.BACKEND: m.host_launch for m in modules},
-            {m.BACKEND.quantize: m.host_quantize for m in modules})
-
-
-_HOST_LAUNCH, _HOST_QUANTIZE = _host_launchers()
 
 
 def _host_attention(op: str) -> Callable:
@@ -277,7 +266,7 @@ def _host_attention(op: str) -> Callable:
              *rest: object) -> tuple[Tensor, dict | None]:
         args = (query, key_cache, value_cache, *((None, None) if op == FLOAT_OP else ()), *rest)
         out, call, backend = _attend(op, *args)  # args in _attend's order
-        launch = _HOST_LAUNCH.get(backend)
+        launch = backend.host_launch
         # strided index tensors (build_call copies them per call) stay in Python
         if launch is None or call.seq_lens is not args[6] or call.query_start_loc is not args[7]:
             return out, None

@@ -33,4 +33,5 @@ def host_quantize(x: torch.Tensor) -> dict:
 BACKEND = register_backend(Backend(
     name="cpu", device="cpu", priority=100,
     head_dims={FLOAT_OP: FLOAT_HEAD_DIMS, INT8_OP: INT8_HEAD_DIMS}, supports=supports,
-    run=cpu.paged_attention_into, quantize=cpu.quantize_int8))
+    run=cpu.paged_attention_into, quantize=cpu.quantize_int8, host_launch=host_launch,
+    host_quantize=host_quantize))

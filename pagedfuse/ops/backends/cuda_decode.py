@@ -169,4 +169,5 @@ def host_quantize(x: torch.Tensor) -> dict | None:
 BACKEND = register_backend(Backend(
     name="cuda_decode", device="cuda", priority=200,
     head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS}, supports=supports, run=run,
-    make_plan=make_plan, quantize=quantize))
+    make_plan=make_plan, quantize=quantize, host_launch=host_launch,
+    host_quantize=host_quantize))

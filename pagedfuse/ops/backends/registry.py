@@ -48,6 +48,9 @@ class Backend:
     backend-specific launch plan (how benchmarks pin tile shapes and split counts).
     ``make_plan(call, **overrides)``: the plan ``run`` would choose, with the overrides it
     names (a backend with launch choices). ``quantize``: its quantize_int8 kernel, if any.
+    ``host_launch(call)`` / ``host_quantize(x)``: the launch spec the C++ host path
+    (csrc/host/host.cpp) keeps for the signature of a call ``run`` / ``quantize`` served, or
+    None to leave such calls to Python; a backend without them always runs in Python.
     """
 
     name: str
@@ -58,6 +61,8 @@ class Backend:
     supports: Supports = _takes_all
     make_plan: Callable[..., object] | None = None
     quantize: Quantize | None = None
+    host_launch: Callable[[PagedCall], dict | None] | None = None
+    host_quantize: Callable[[torch.Tensor], dict | None] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -67,6 +72,13 @@ _CHOICES: dict[tuple, Backend] = {}
 _CHOICE_LIMIT = 4096
 _QUANTIZE: dict[str, Quantize] = {}  # quantize_int8's kernel per device type
 generation = 0  # bumped on every registry change; validate's verdict cache keys on it
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener`` after every registry change: caches of choices made through the
+    registry outside this module (the C++ host path's signature table) forget them."""
+    _LISTENERS.append(listener)
 
 
 def _changed() -> None:
@@ -74,6 +86,8 @@ def _changed() -> None:
     generation += 1
     _CHOICES.clear()
     _QUANTIZE.clear()
+    for listener in _LISTENERS:
+        listener()
 
 
 def register_backend(backend: Backend) -> Backend:
