@@ -266,7 +266,7 @@ def _host_attention(op: str) -> Callable:
              *rest: object) -> tuple[Tensor, dict | None]:
         args = (query, key_cache, value_cache, *((None, None) if op == FLOAT_OP else ()), *rest)
         out, call, backend = _attend(op, *args)  # args in _attend's order
-        launch = backend.host_launch
+        launch = None if backend is None else backend.host_launch  # None: nothing ran
         # strided index tensors (build_call copies them per call) stay in Python
         if launch is None or call.seq_lens is not args[6] or call.query_start_loc is not args[7]:
             return out, None

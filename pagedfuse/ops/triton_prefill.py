@@ -274,15 +274,16 @@ def prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(lo, lo_full, BLOCK_N):
-        acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
-            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
-            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
-            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-            WINDOW, SOFTCAP, MASKED=True)
+    if WINDOW:  # without a window lo_full is lo: the kernel is the one it was before
+        for start in range(lo, lo_full, BLOCK_N):
+            acc, m_i, l_i = _step(
+                acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+                window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
+                stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
+                BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
+                WINDOW, SOFTCAP, MASKED=True)
     for start in range(lo_full, full, BLOCK_N):
         acc, m_i, l_i = _step(
             acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
