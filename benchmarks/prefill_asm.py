@@ -140,12 +140,12 @@ def _iteration(lines: list[str], labels: dict[str, int], header: int) -> list[st
 
 
 def compile_gluon(call, plan, capability: int = 90):
-    """The compiled Gluon INT8 K kernel (pagedfuse/ops/gluon_prefill.py) of ``call`` under
+    """The compiled Gluon prefill kernel (pagedfuse/ops/gluon_prefill.py) of ``call`` under
     ``plan`` (a GluonPlan)."""
     from pagedfuse.ops import gluon_prefill as gp
 
     out = torch.empty_like(call.query)
-    q, q_scale = quantize_int8_reference(call.query)
+    q, q_scale = quantize_int8_reference(call.query) if call.int8_k else (call.query, None)
     launch = gp.launch_args(call, out, plan, q, q_scale)
     saved = driver._active
     driver.set_active(_TargetOnly(capability))

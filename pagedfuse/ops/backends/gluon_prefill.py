@@ -93,6 +93,12 @@ def tma_rows(cache: torch.Tensor) -> int:
     return -(-extent // cache.stride(1))
 
 
+def swizzle_bytes(cache: torch.Tensor) -> int:
+    """The shared-memory swizzle of a cache's tiles, and its TMA boxes' width in bytes: 128,
+    or a head's row where that is narrower (64-dim int8: 64)."""
+    return min(SWIZZLE, cache.shape[-1] * cache.element_size())
+
+
 def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
     """Why the "ws" kernel's TMA boxes cannot load ``call``'s pages at ``block_n`` keys per
     tile: a box is min(page, block_n) keys of one head, a whole number of the 128-byte
@@ -106,12 +112,13 @@ def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
         sb, st, sh, sd = cache.stride()
         size = cache.element_size()
         d = cache.shape[-1]
-        if d * size < SWIZZLE:
-            return f"{name}: head_dim {d} is narrower than a {SWIZZLE}-byte TMA box"
-        if sd != 1 or sb % st or (st * size) % 16 or cache.data_ptr() % 16:
-            return (f"{name}: strides {tuple(cache.stride())} at address "
-                    f"{cache.data_ptr():#x}: a 2D TMA view needs unit-stride heads, a block "
-                    "stride that is a multiple of the token stride, and 16-byte alignment")
+        if d * size not in (32, 64) and (d * size) % SWIZZLE:
+            return (f"{name}: head_dim {d}: a row of {d * size} bytes is not 32, 64 or a "
+                    f"multiple of {SWIZZLE} (the TMA boxes' swizzle spans)")
+        # (the op's checks have made the address and the strides 16-byte aligned)
+        if sd != 1 or sb % st:
+            return (f"{name}: strides {tuple(cache.stride())}: a 2D TMA view needs unit-stride "
+                    "heads and a block stride that is a multiple of the token stride")
         if any((h * sh) % st + d > st for h in range(cache.shape[2])):
             return (f"{name}: strides {tuple(cache.stride())}: a head's row does not lie in "
                     "one row of the token-stride view")
