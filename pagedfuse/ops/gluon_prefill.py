@@ -123,19 +123,17 @@ def _key_bounds(seq_len, ctx, t_first, tokens, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _row_constants(qs_ptr, rows, t0, q_start, q_len, seq_len, ctx, pid_h, stride_qst,
-                   stride_qsh, sm_scale_log2, PACK: gl.constexpr, TOKENS: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+                   stride_qsh, sm_scale_log2, PACK: gl.constexpr, CAUSAL: gl.constexpr):
     """Per score row: the factor to log2-domain logits (softmax scale * log2(e), times the
     row's q_scale for an int8 query: ``qs_ptr`` not None), and the keys it reads (<
     row_end)."""
     t = t0 + rows // PACK
-    ok = (t < q_len) & (rows < TOKENS * PACK)
     if qs_ptr is None:
         row_scale = gl.full(rows.shape, sm_scale_log2, gl.float32, rows.type.layout)
-    else:
-        row_scale = gl.load(qs_ptr + (q_start + t).to(gl.int64) * stride_qst
-                            + (pid_h * PACK + rows % PACK) * stride_qsh,
-                            mask=ok, other=0.0) * sm_scale_log2
+    else:  # (a row past the sequence's queries reads its last one, as _load_q does)
+        row_scale = gl.load(qs_ptr + (q_start + gl.minimum(t, q_len - 1)).to(gl.int64)
+                            * stride_qst + (pid_h * PACK + rows % PACK) * stride_qsh)
+        row_scale = row_scale * sm_scale_log2
     if CAUSAL:
         row_end = gl.minimum(ctx + t + 1, seq_len)
     else:
@@ -200,45 +198,14 @@ def _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h,
 
 @gluon.jit
 def _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
-            PACK: gl.constexpr, TOKENS: gl.constexpr, HEAD_DIM: gl.constexpr,
-            COPY: gl.constexpr):
-    """The query rows of this tile (int8 or 16-bit), token-major over the packed heads (0
-    past the sequence's queries)."""
-    t = t0 + rows // PACK
-    ok = (t < q_len) & (rows < TOKENS * PACK)
+            PACK: gl.constexpr, HEAD_DIM: gl.constexpr, COPY: gl.constexpr):
+    """The query rows of this tile (int8 or 16-bit), token-major over the packed heads. A
+    row past the sequence's queries (never stored) reads its last one: no mask, so that no
+    predicate of it stays live to the store (the consumers spilled them)."""
+    t = gl.minimum(t0 + rows // PACK, q_len - 1)
     off = (q_start + t).to(gl.int64) * stride_qt + (pid_h * PACK + rows % PACK) * stride_qh
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
-    return gl.load(q_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0)
-
-
-@gluon.jit
-def _copy_keys(k_buf, v_buf, k_ptr, v_ptr, k_st, v_st, bt_row_ptr, start, end, kvh,
-               num_blocks, stride_btn, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-               PAGE: gl.constexpr, COPY: gl.constexpr):
-    """cp.async of keys [start, start + ROWS) into ``k_buf`` and ``v_buf``, gathered through
-    the block table (``*_st``: the caches' (block, token, head) strides); keys >= ``end`` are
-    zero-filled, not read. Returns the keys' blocks, slots and whether each is < ``end``,
-    for ``_copy_scales``."""
-    offs_n = start + gl.arange(0, ROWS, gl.SliceLayout(1, COPY))
-    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
-    ok = offs_n < end
-    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
-                        num_blocks)
-    slot = offs_n % PAGE
-    k_row = blk * k_st[0] + slot * k_st[1] + kvh * k_st[2]
-    v_row = blk * v_st[0] + slot * v_st[1] + kvh * v_st[2]
-    cp.async_copy_global_to_shared(k_buf, k_ptr + k_row[:, None] + offs_d[None, :],
-                                   mask=ok[:, None])
-    cp.async_copy_global_to_shared(v_buf, v_ptr + v_row[:, None] + offs_d[None, :],
-                                   mask=ok[:, None])
-    return blk, slot, ok
-
-
-@gluon.jit
-def _copy_scales(buf, s_ptr, st, blk, slot, kvh, ok):
-    """cp.async of an int8 cache's per-token scales (keys from ``_copy_keys``) into ``buf``."""
-    cp.async_copy_global_to_shared(buf, s_ptr + blk * st[0] + slot * st[1] + kvh * st[2],
-                                   mask=ok)
+    return gl.load(q_ptr + off[:, None] + offs_d[None, :])
 
 
 # ---- "ws": warp-specialized, TMA -----------------------------------------------------------
@@ -262,8 +229,40 @@ def _scales(s_ptr, st, blk, slot, kvh, ok):
 
 
 @gluon.jit
+def _copy_tail(buf, r, desc, ptr, st, bt_row_ptr, start, end, kvh, num_blocks, stride_btn,
+               PAGE: gl.constexpr):
+    """cp.async of keys [start + r, start + r + 8) of one cache into rows [r, r + 8) of its
+    tile ``buf``, gathered through the block table (``st``: the cache's (block, token, head)
+    strides), one swizzle span (``desc``'s box width) at a time: 16 bytes per lane and
+    copy, so that the producer warp's few registers hold the addresses. Keys >= ``end``
+    are zero-filled, not read."""
+    W: gl.constexpr = desc.block_type.shape[1]
+    VEC: gl.constexpr = 128 // desc.dtype.primitive_bitwidth
+    ROWS: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // W, W // VEC], [1, 1], [1, 0])
+    offs_n = start + r + gl.arange(0, 8, gl.SliceLayout(1, ROWS))
+    ok = offs_n < end
+    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
+                        num_blocks)
+    row = blk * st[0] + (offs_n % PAGE) * st[1] + kvh * st[2]
+    offs_d = gl.arange(0, W, gl.SliceLayout(0, ROWS))
+    for c in gl.static_range(buf.type.shape[1] // W):
+        cp.async_copy_global_to_shared(_box(buf, c, r, 8, desc),
+                                       ptr + row[:, None] + (c * W + offs_d)[None, :],
+                                       mask=ok[:, None])
+
+
+@gluon.jit
+def _store_scales(ks_smem, vs_smem, i, k_scale, v_scale):
+    """A tile's key and value scales (None: that cache is 16-bit) into buffer ``i``."""
+    if k_scale is not None:
+        ks_smem.index(i).store(k_scale)
+    if v_scale is not None:
+        vs_smem.index(i).store(v_scale)
+
+
+@gluon.jit
 def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, COPY_TPW_D: gl.constexpr):
+              STAGES: gl.constexpr):
     """One warp: fills buffer j % STAGES with key tile j once the consumers released it."""
     (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
      vs_smem, ready, empty, seq_len, num_tiles, kvh, num_blocks, k_st, v_st, ks_st, vs_st,
@@ -275,9 +274,6 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
                                                      + v_desc.dtype.primitive_bitwidth) // 8
     SCALED: gl.constexpr = ks_ptr is not None or vs_ptr is not None
     KEYS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-    TAIL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [1, 1],
-                                          [1, 0])
-    TAIL_ROWS: gl.constexpr = 8  # rows per cp.async step of the tail tile (few registers)
     # where the page (block, kvh) starts in the TMA views: row block * per_block + row0,
     # column col (int32: the backend checks that the views have fewer than 2**31 rows)
     k_per_block = (k_st[0] // k_st[1]).to(gl.int32)
@@ -296,10 +292,14 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
             ok = offs < seq_len
             blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
                                         other=0), num_blocks)
-            if ks_ptr is not None:
-                k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
-            if vs_ptr is not None:
-                v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
+        if ks_ptr is None:
+            k_scale: gl.constexpr = None
+        else:
+            k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
+        if vs_ptr is None:
+            v_scale: gl.constexpr = None
+        else:
+            v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
         mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
         k_buf = k_smem.index(i)
         v_buf = v_smem.index(i)
@@ -319,28 +319,20 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
                 for c in gl.static_range(HEAD_DIM // VW):
                     tma.async_copy_global_to_shared(v_desc, [v_row, v_col + c * VW], bar,
                                                     _box(v_buf, c, p * BOX, BOX, v_desc))
-            if SCALED:
-                if ks_ptr is not None:
-                    ks_smem.index(i).store(k_scale)
-                if vs_ptr is not None:
-                    vs_smem.index(i).store(v_scale)
-                mbarrier.arrive(bar, count=1)
-        else:  # the tile past the sequence's last key, zero-filled there, with its scales
-            for r in gl.static_range(0, BLOCK_N, TAIL_ROWS):
-                t_blk, t_slot, t_ok = _copy_keys(
-                    k_buf.slice(r, TAIL_ROWS), v_buf.slice(r, TAIL_ROWS), k_ptr, v_ptr, k_st,
-                    v_st, bt_row_ptr, start + r, seq_len, kvh, num_blocks, stride_btn,
-                    TAIL_ROWS, HEAD_DIM, PAGE, TAIL)
-                if ks_ptr is not None:
-                    _copy_scales(ks_smem.index(i).slice(r, TAIL_ROWS), ks_ptr, ks_st, t_blk,
-                                 t_slot, kvh, t_ok)
-                if vs_ptr is not None:
-                    _copy_scales(vs_smem.index(i).slice(r, TAIL_ROWS), vs_ptr, vs_st, t_blk,
-                                 t_slot, kvh, t_ok)
+            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)
+        else:  # the tile past the sequence's last key, zero-filled there
+            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)  # (0 there; first: registers)
+            for r in gl.static_range(0, BLOCK_N, 8):
+                _copy_tail(k_buf, r, k_desc, k_ptr, k_st, bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
+                _copy_tail(v_buf, r, v_desc, v_ptr, v_st, bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
             cp.commit_group()
             cp.wait_group(0)
             fence_async_shared()  # the wgmma read K and V through the async proxy
-            mbarrier.arrive(bar, count=2 if SCALED else 1)
+            mbarrier.arrive(bar, count=1)
+        if SCALED:
+            mbarrier.arrive(bar, count=1)  # the scales are in
 
 
 @gluon.jit
@@ -377,12 +369,15 @@ def _p_operand(p, vs_smem, i, QK: gl.constexpr, P_OP: gl.constexpr, PV_T: gl.con
 
 
 @gluon.jit
-def _widen(v8, v16, WIDEN: gl.constexpr, CHUNK: gl.constexpr):
-    """An int8 V tile to fp16 in the consumer's own buffer, CHUNK rows at a time, exactly
-    (|v| <= 128): 0x6480 + v are the bits of the fp16 1152 + v, so an integer add and one
-    fp16 subtract do what a conversion instruction (a quarter of the FMA rate, and the
-    softmax's exp2 unit's) would."""
+def _widen(v8, v16, WIDEN: gl.constexpr):
+    """An int8 V tile to fp16 in the consumer's own buffer, exactly (|v| <= 128): 0x6480 + v
+    are the bits of the fp16 1152 + v, so a packed integer add and a packed fp16 subtract
+    do what a conversion instruction would at 16 per clock and SM on sm_90, the rate of the
+    softmax's exp2. WIDEN gives each thread 16 values of a row; one row chunk at a time, so
+    that the widening adds few registers beside the accumulator (at head_dim 256 larger
+    chunks spilled)."""
     ROWS: gl.constexpr = v8.type.shape[0]
+    CHUNK: gl.constexpr = 16 * 128 // v8.type.shape[1]  # 4 warps x 32 lanes x 16 values
     for r in gl.static_range(0, ROWS, CHUNK):
         x = v8.slice(r, CHUNK).load(WIDEN)
         h = (x.to(gl.int16) + 0x6480).to(gl.float16, bitcast=True) - 1152.0
@@ -408,7 +403,7 @@ def _release_v(v_smem, v16, empty, i, WIDEN: gl.constexpr):
     producer (its Q·K^T is done too); otherwise the buffer goes back after the P·V that
     reads it."""
     if v16 is not None:
-        _widen(v_smem.index(i), v16, WIDEN, 32)
+        _widen(v_smem.index(i), v16, WIDEN)
         mbarrier.arrive(empty.index(i), count=1)
 
 
@@ -443,7 +438,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     rows = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, COPY))
     q_buf = q_smem.index(WG)
     q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK,
-                        TOKENS, HEAD_DIM, COPY))
+                        HEAD_DIM, COPY))
     fence_async_shared()  # the wgmma read it through the async proxy
     if v16_smem is None:
         v16: gl.constexpr = None
@@ -452,7 +447,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     rows_s = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
-                                        TOKENS, CAUSAL)
+                                        CAUSAL)
     _, full = _key_bounds(seq_len, ctx, t0 + (WG * WG_ROWS) // PACK, 1, CAUSAL)
     full = gl.minimum(full, hi)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
@@ -573,17 +568,47 @@ def ws_prefill_kernel(
                          COPY_TPW_D)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, COPY_TPW_D)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, COPY_TPW_D)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
 # ---- "cp": one partition, cp.async -------------------------------------------------------
+
+@gluon.jit
+def _copy_keys(k_buf, v_buf, k_ptr, v_ptr, k_st, v_st, bt_row_ptr, start, end, kvh,
+               num_blocks, stride_btn, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               PAGE: gl.constexpr, COPY: gl.constexpr):
+    """cp.async of keys [start, start + ROWS) into ``k_buf`` and ``v_buf``, gathered through
+    the block table (``*_st``: the caches' (block, token, head) strides); keys >= ``end`` are
+    zero-filled, not read. Returns the keys' blocks, slots and whether each is < ``end``,
+    for ``_copy_scales``."""
+    offs_n = start + gl.arange(0, ROWS, gl.SliceLayout(1, COPY))
+    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
+    ok = offs_n < end
+    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
+                        num_blocks)
+    slot = offs_n % PAGE
+    k_row = blk * k_st[0] + slot * k_st[1] + kvh * k_st[2]
+    v_row = blk * v_st[0] + slot * v_st[1] + kvh * v_st[2]
+    cp.async_copy_global_to_shared(k_buf, k_ptr + k_row[:, None] + offs_d[None, :],
+                                   mask=ok[:, None])
+    cp.async_copy_global_to_shared(v_buf, v_ptr + v_row[:, None] + offs_d[None, :],
+                                   mask=ok[:, None])
+    return blk, slot, ok
+
+
+@gluon.jit
+def _copy_scales(buf, s_ptr, st, blk, slot, kvh, ok):
+    """cp.async of an int8 cache's per-token scales (keys from ``_copy_keys``) into ``buf``."""
+    cp.async_copy_global_to_shared(buf, s_ptr + blk * st[0] + slot * st[1] + kvh * st[2],
+                                   mask=ok)
+
 
 @gluon.jit
 def gluon_prefill_kernel(
@@ -643,11 +668,11 @@ def gluon_prefill_kernel(
     rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, COPY))
     q_smem = gl.allocate_shared_memory(
         gl.int8, [BLOCK_M, HEAD_DIM], Q_SMEM,
-        _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK, TOKENS,
-                HEAD_DIM, COPY))
+        _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK, HEAD_DIM,
+                COPY))
     row_scale, row_end = _row_constants(qs_ptr, gl.arange(0, BLOCK_M, gl.SliceLayout(1, QK)),
                                         t0, q_start, q_len, seq_len, ctx, pid_h, stride_qst,
-                                        stride_qsh, sm_scale_log2, PACK, TOKENS, CAUSAL)
+                                        stride_qsh, sm_scale_log2, PACK, CAUSAL)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, QK)
