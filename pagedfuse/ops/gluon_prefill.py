@@ -1,5 +1,7 @@
-"""Gluon paged prefill for INT8 K on Hopper: the int8 Q·K^T of one key tile runs on the
-tensor cores while the softmax of another runs on the CUDA cores.
+"""Gluon paged prefill on Hopper: the Q·K^T of one key tile runs on the tensor cores while
+the softmax of another runs on the CUDA cores. The "ws" kernel serves every cache kind,
+taken from its arguments (one kernel, not a copy per kind): 16-bit K and V, INT8 K with a
+16-bit V, and INT8 K+V; "cp" serves INT8 K with a 16-bit V.
 
 Triton's ``tl.dot`` waits for each Q·K^T wgmma where it is issued (its pipeliner keeps only
 a loop-carried accumulator in flight), so the int8 tensor-core time is never hidden behind
@@ -12,16 +14,18 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   box of a 2D view of the cache whose rows are tokens (row stride: the cache's token
   stride; page (block, head) starts at row block * stride_b / stride_t + head * stride_h //
   stride_t, column head * stride_h % stride_t, which covers NHD and HND), so a tile is one
-  box per page (per 128 bytes of a row), all signalling the tile's ``ready`` mbarrier with
-  its byte count. The tile's key scales are loaded into registers before the producer waits
-  for the buffer and stored to shared memory after. The one tile that reaches past the
-  sequence's last key is copied with cp.async instead, zero-filled past it: a slot past the
-  sequence may hold any bits (NaN too), and P·V would carry them into the rows with weight
-  0. Each consumer issues tile j+1's Q·K^T and tile j's P·V together and then runs tile
-  j+1's softmax while P·V is still on the tensor cores (FA3's intra-warpgroup overlap); two
-  consumers take turns issuing (two ``turn`` mbarriers: FA3's ping-pong), so one's softmax
-  runs while the other's wgmma do. A consumer releases a buffer (``empty``) once its P·V
-  on it is done.
+  box per page (per swizzle span of a row: 128 bytes, or the row where it is narrower),
+  all signalling the tile's ``ready`` mbarrier with its byte count. An int8 cache's
+  per-token scales are loaded into registers before the producer waits for the buffer and
+  stored to shared memory after. The one tile that reaches past the sequence's last key is
+  copied with cp.async instead, 8 rows by one swizzle span at a time, zero-filled past the
+  key: a slot past the sequence may hold any bits (NaN too), and P·V would carry them into
+  the rows with weight 0. Each consumer issues tile j+1's Q·K^T and tile j's P·V together
+  and then runs tile j+1's softmax while P·V is still on the tensor cores (FA3's
+  intra-warpgroup overlap); two consumers take turns issuing (two ``turn`` mbarriers: FA3's
+  ping-pong), so one's softmax runs while the other's wgmma do. A consumer releases a
+  buffer (``empty``) once its P·V on it is done; with INT8 V, once it has widened the
+  tile's V into its own fp16 copy (below), which the next P·V reads.
 - ``"cp"`` (gluon_prefill_kernel): one partition of ``block_m // 16`` warps; K, V and the
   key scales gathered through the block table with cp.async (any page size and stride),
   ``stages`` buffers deep (tile i in buffer i % stages; the copy of tile j + stages - 1 is
@@ -30,11 +34,16 @@ pipelines, chosen by ``GluonPlan.pipeline``:
 
 Both: grid (head pack, query tile, sequence) as in triton_prefill.py (the longest causal
 tiles first); a tile holds ``block_m`` rows, token-major over ``pack`` query heads of one
-GQA group. Q is quantized once per (token, head) before the kernel and kept in shared
-memory. Scores: int32 -> fp32 by their bits (0x4B400000 + x is the float 1.5 * 2**23 + x for
-|x| < 2**22) and one FFMA with the key's scale; the row's q_scale * softmax scale * log2(e)
-joins the exp2's FMA. Softmax online in fp32, log2 domain; P·V is a bf16/fp16 wgmma with P
-from registers and V from shared memory.
+GQA group, kept in shared memory. INT8 K: Q is quantized once per (token, head) before the
+kernel, Q·K^T is an int8 wgmma with int32 scores, turned to fp32 by their bits (0x4B400000 +
+x is the float 1.5 * 2**23 + x for |x| < 2**22) and one FFMA with the key's scale; the row's
+q_scale * softmax scale * log2(e) joins the exp2's FMA. 16-bit K: Q·K^T is a bf16/fp16
+wgmma with fp32 scores and softmax scale * log2(e) in the exp2's FMA. Softmax online in
+fp32, log2 domain; P·V is a 16-bit wgmma with P from registers and V from shared memory:
+V's type for a 16-bit V cache; for INT8 V, fp16 P' = p * v_scale (the CUDA decode's
+choice: fp16 keeps 3 more bits of P' than bf16, and p <= 1 here) over V's int8 values
+widened exactly to fp16 (a V scale above 65504 overflows P' to Inf, as the Triton prefill's
+fp16 path does).
 
 Causal masking is bottom-right aligned; tiles wholly above the diagonal are never visited,
 and only tiles that reach past a row group's first row's last key or the sequence take the
