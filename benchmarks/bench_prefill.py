@@ -7,9 +7,9 @@ last tokens). Side by side in one run: SDPA on contiguous K/V with GQA pre-expan
 FlexAttention compiled with a lower-right causal block mask (contiguous K/V, GQA), the eager
 gather + SDPA code users write, today's pagedfuse op (bf16 and INT8 K+V), and the prefill
 kernels (triton_prefill.py): bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers,
-P·V in bf16) and INT8 K+V with int8 P, and the Gluon INT8 K kernels (gluon_prefill.py, both
-pipelines: "ws" warp-specialized with TMA, "cp" cp.async; a case the backend declines, e.g.
-head_dim 256, records its reason as the entry's error). Times are medians of
+P·V in bf16) and INT8 K+V with int8 P, and the Gluon kernels (gluon_prefill.py: "ws",
+warp-specialized with TMA, on bf16, INT8 K and INT8 K+V caches, "cp", cp.async, on INT8 K;
+a case the backend declines records its reason as the entry's error). Times are medians of
 triton.testing.do_bench (its L2 clear between calls). TFLOP/s counts causal pairs only
 (4 * D * Hq per pair); for INT8 entries it is TOP/s of the same count. Errors are
 ||out - ref|| / ||ref|| against fp32 attention on the unquantized K/V; for INT8 entries
@@ -67,7 +67,12 @@ KERNELS = {  # name -> (cache kind, P·V mode)
     "prefill INT8 K": ("int8_k", "half"),
     "prefill INT8 K+V": ("int8_kv", "half"),
 }
-GLUON = {"gluon INT8 K ws": "ws", "gluon INT8 K cp": "cp"}  # name -> GluonPlan.pipeline
+GLUON = {  # name -> (cache kind, GluonPlan.pipeline)
+    "gluon bf16 ws": ("bf16", "ws"),
+    "gluon INT8 K ws": ("int8_k", "ws"),
+    "gluon INT8 K+V ws": ("int8_kv", "ws"),
+    "gluon INT8 K cp": ("int8_k", "cp"),
+}
 # --pv-int8 adds this: on the H200 1.4-3.3x slower than "half" with 1.3-1.7x its error
 # (benchmarks/results/prefill_h200_2026-12-01_pv_int8.json), since int8 wgmma needs V
 # K-major and the cache's V rows are not
@@ -227,13 +232,13 @@ def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
     return out
 
 
-def gluon_prefill(case: Case, pipeline: str) -> torch.Tensor:
-    """The Gluon INT8 K kernel (backend ``gluon_prefill``) with ``pipeline``'s default plan;
-    a call the backend declines raises with its reason."""
+def gluon_prefill(case: Case, kind: str, pipeline: str) -> torch.Tensor:
+    """The Gluon kernel (backend ``gluon_prefill``) on the ``kind`` caches with
+    ``pipeline``'s default plan; a call the backend declines raises with its reason."""
     from pagedfuse.ops.backends import gluon_prefill as gb
     from pagedfuse.ops.gluon_prefill import prefill_into
 
-    call = case.call("int8_k")
+    call = case.call(kind)
     if why := gb.supports(call):
         raise ValueError(f"gluon_prefill declines: {why}")
     out = torch.empty_like(case.q)
@@ -274,8 +279,8 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
         shape = plans.get((case.geo, kind))
         plan = plan_for(case.call(kind), pv, shape) if shape or pv != "half" else None
         out[name] = (kind, "thd", lambda kind=kind, plan=plan: prefill(case, kind, plan))
-    for name, pipeline in GLUON.items():
-        out[name] = ("int8_k", "thd", lambda p=pipeline: gluon_prefill(case, p))
+    for name, (kind, pipeline) in GLUON.items():
+        out[name] = (kind, "thd", lambda k=kind, p=pipeline: gluon_prefill(case, k, p))
     return out
 
 

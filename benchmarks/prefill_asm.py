@@ -13,7 +13,7 @@ target, so this runs on any machine with Triton installed; on the H200 bench_pre
 
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
     python benchmarks/prefill_asm.py --plans sweep   # the sweep's candidate plans too
-    python benchmarks/prefill_asm.py --kernel gluon  # the Gluon INT8 K kernels (head_dim 128)
+    python benchmarks/prefill_asm.py --kernel gluon  # the Gluon kernels, every kind and geometry
 
 ``--json PATH`` writes the rows of the kernel compiled into the record at PATH, replacing that
 kernel's rows and keeping the others' (benchmarks/results/prefill_asm_sm90.json holds the
@@ -140,12 +140,12 @@ def _iteration(lines: list[str], labels: dict[str, int], header: int) -> list[st
 
 
 def compile_gluon(call, plan, capability: int = 90):
-    """The compiled Gluon INT8 K kernel (pagedfuse/ops/gluon_prefill.py) of ``call`` under
+    """The compiled Gluon prefill kernel (pagedfuse/ops/gluon_prefill.py) of ``call`` under
     ``plan`` (a GluonPlan)."""
     from pagedfuse.ops import gluon_prefill as gp
 
     out = torch.empty_like(call.query)
-    q, q_scale = quantize_int8_reference(call.query)
+    q, q_scale = quantize_int8_reference(call.query) if call.int8_k else (call.query, None)
     launch = gp.launch_args(call, out, plan, q, q_scale)
     saved = driver._active
     driver.set_active(_TargetOnly(capability))
@@ -156,24 +156,34 @@ def compile_gluon(call, plan, capability: int = 90):
 
 
 def gluon_rows(q_len: int) -> list[dict]:
-    """The Gluon kernels' plans at llama3_8b INT8 K: the default for ``q_len`` (the
-    warp-specialized "ws" pipeline), its one-consumer and 64-key variants, and the cp.async
-    "cp" pipeline's default and 64-key plans."""
+    """The Gluon kernels' plans: the default for ``q_len`` (the warp-specialized "ws"
+    pipeline) at every geometry and cache kind; at llama3_8b INT8 K also its one-consumer and
+    64-key variants and the cp.async "cp" pipeline's default and 64-key plans, and at
+    llama3_8b bf16 and INT8 K+V the one-consumer plan short queries take."""
     from pagedfuse.ops.backends import gluon_prefill as gb
 
-    call = small_call(GEOMETRIES["llama3_8b"], "int8_k", q_len)
-    first = gb.default_plan(call)
-    variants = (dict(block_m=64), dict(block_n=64, stages=4), dict(pipeline="cp", stages=3),
-                dict(pipeline="cp", block_n=64, stages=4))
-    plans = [first] + [p for p in (gb.make_plan(call, **v) for v in variants) if p != first]
+    variants = {("llama3_8b", "int8_k"): (dict(block_m=64), dict(block_n=64, stages=4),
+                                          dict(pipeline="cp", stages=3),
+                                          dict(pipeline="cp", block_n=64, stages=4)),
+                ("llama3_8b", "bf16"): (dict(block_m=64),),
+                ("llama3_8b", "int8_kv"): (dict(block_m=64),)}
     rows = []
-    for plan in plans:
-        try:
-            info = inspect(compile_gluon(call, plan))
-        except Exception as exc:  # a plan over the shared-memory limit, say
-            info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        rows.append({"kernel": "gluon", "geometry": "llama3_8b", "kind": "int8_k",
-                     "plan": plan.__dict__, **info})
+    for name, geo in GEOMETRIES.items():
+        for kind in KINDS:
+            call = small_call(geo, kind, q_len)
+            first = gb.default_plan(call)
+            plans = [first] + [p for p in (gb.make_plan(call, **v)
+                                           for v in variants.get((name, kind), ()))
+                               if p != first]
+            for plan in plans:
+                try:
+                    info = inspect(compile_gluon(call, plan))
+                except Exception as exc:  # a plan over the shared-memory limit, say
+                    info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                row = {"kernel": "gluon", "geometry": name, "kind": kind,
+                       "plan": plan.__dict__, **info}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -284,6 +294,8 @@ def inspect(kernel, ptxas: bool = True) -> dict:
         sass = subprocess.run([_toolkit("cuobjdump"), "--dump-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
         info["sass_mma"] = dict(Counter(MMA.findall(sass)))
+        if info["setmaxnreg"]:
+            info["local_ops"] = partition_local_ops(sass)
         if ptxas:
             src = Path(tmp) / "k.ptx"
             src.write_text(ptx)
@@ -295,6 +307,23 @@ def inspect(kernel, ptxas: bool = True) -> dict:
             info["registers"] = int(regs.group(1)) if regs else None
             info["spill_bytes"] = int(spill.group(1)) + int(spill.group(2)) if spill else None
     return info
+
+
+def partition_local_ops(sass: str) -> dict[str, int]:
+    """Local-memory loads and stores (spills) of a warp-specialized kernel by partition:
+    each is counted in the register budget the last ``USETMAXREG`` before it in the text set
+    (the Gluon backend's CONSUMER_REGS: "consumer", PRODUCER_REGS: "producer"). A map by
+    text order, which is how ptxas lays out the partitions' code."""
+    from pagedfuse.ops.backends.gluon_prefill import CONSUMER_REGS, PRODUCER_REGS
+
+    names = {CONSUMER_REGS: "consumer", PRODUCER_REGS: "producer"}
+    where, counts = "entry", Counter()
+    for line in sass.splitlines():
+        if m := re.search(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:UP\d,\s*)?(0x[0-9a-f]+)", line):
+            where = names.get(int(m.group(1), 16), "other")
+        elif re.search(r"\b(STL|LDL)\b", line):
+            counts[where] += 1
+    return dict(counts)
 
 
 def sweep_plans(head_dim: int) -> list[pp.PrefillPlan]:
@@ -318,8 +347,10 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("triton", "gluon", "decode"), default="triton")
     ap.add_argument("--json", help="the record to write this kernel's rows into")
     args = ap.parse_args()
-    if args.kernel != "triton":
-        rows = gluon_rows(args.q_len) if args.kernel == "gluon" else decode_rows()
+    if args.kernel == "gluon":
+        rows = gluon_rows(args.q_len)
+    elif args.kernel == "decode":
+        rows = decode_rows()
         for row in rows:
             print(json.dumps(row), flush=True)
     else:

@@ -2,13 +2,15 @@
 gluon_prefill.py), both pipelines: "ws" (warp-specialized, TMA) and "cp" (cp.async).
 
 On the CPU: which calls it declines and why, which caches the TMA boxes cannot load (and
-that the default plan then takes "cp"), its launch plans, their checks and register budget,
+that the default plan then takes "cp", or the call is declined where "cp" does not run its
+kind), the launch plans of every cache kind and head dim, their checks and register budget,
 and that the backend module imports without Triton. On an sm_90 GPU (marked ``cuda``):
 varlen INT8 K batches (q_len 1, 4, 17, 128, 2048 and others, histories 0, 1, 1000 and
 others, causal or not, pages of 1, 16, 32 and 256, NHD and HND, GQA 4 and 8, head_dim 128)
-against the float64 reference into NaN-poisoned outputs, for each pipeline and tile shape,
-directly, through the op with PAGEDFUSE_BACKEND and through the shared conformance runner;
-and 100 CUDA graph replays.
+for each pipeline and tile shape; bf16/fp16 K and V and INT8 K+V at head_dim 64, 128 and
+256 and INT8 K at 64 and 256 on the "ws" kernel; all against the float64 reference into
+NaN-poisoned outputs, directly, through the op with PAGEDFUSE_BACKEND and through the shared
+conformance runner; and 100 CUDA graph replays per kind.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from helpers.cases import make_case
 from helpers.conformance import GridCase, run_case
 from helpers.cuda_cases import replayed
+from helpers.prefill import paged_call
 
 from pagedfuse import numerics
 from pagedfuse.ops.backends import all_backends, reason, unregister_backend
@@ -50,14 +53,56 @@ def _int8k(q_lens, histories, **spec):
 
 
 @pytest.mark.parametrize(("spec", "why"), [
-    (dict(kind="float"), "float caches: the gluon_prefill kernel is INT8 K only"),
-    (dict(kind="int8_kv"), "INT8 V: not in the gluon_prefill kernel yet"),
-    (dict(head_dim=64), "head_dim 64: the gluon_prefill kernel is built for 128"),
     (dict(bias="float", bias_shape="per_batch"), "attn_bias: not in the gluon_prefill kernel"),
+    # pages the TMA boxes cannot load, in a kind or head_dim the cp pipeline does not run
+    (dict(kind="float", block_size=1), "page size 1: the TMA boxes need a multiple of 8 keys"),
+    (dict(kind="int8_kv", block_size=24), "page size 24: the TMA boxes need"),
+    (dict(head_dim=64, block_size=1), "page size 1: the TMA boxes need"),
 ])
 def test_calls_it_does_not_implement_are_declined(gb, spec, why):
     call = _int8k([5, 3], [7, 20], **spec).call()
-    assert gb.call_unsupported(call).startswith(why)
+    got = gb.call_unsupported(call)
+    assert got.startswith(why), got
+    if "page size" in why:
+        kind, dim = spec.get("kind", "int8_k"), spec.get("head_dim", 128)
+        assert got.endswith(f"the cp pipeline runs INT8 K with a 16-bit V at head_dim 128 "
+                            f"only, not {kind} at {dim}")
+
+
+def test_other_head_dims_are_declined(gb):
+    """(The op refuses head_dim 96 on the CPU before any backend sees it: the record is
+    built directly.)"""
+    q = torch.randn(8, 4, 96).to(torch.bfloat16)
+    kv = torch.randn(4, 16, 2, 96).to(torch.bfloat16)
+    call = paged_call(q, kv, kv, torch.arange(4, dtype=torch.int32)[None], torch.tensor([40]),
+                      torch.tensor([0, 8]), 0.1, True)
+    assert gb.call_unsupported(call) == ("head_dim 96: the gluon_prefill kernel is built for "
+                                         "[64, 128, 256]")
+
+
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
+    """One kernel for every cache kind: the default plan is "ws" with the kind's tiles
+    (head_dim 256: 64-key tiles; 16-bit K at 128 and 256: two buffers, the rest three),
+    served for both ops."""
+    call = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim).call()
+    assert gb.call_unsupported(call) is None
+    plan = gb.default_plan(call)
+    assert (plan.pipeline, plan.block_m, plan.pack) == ("ws", 128, 1)
+    want = {64: (128, 3), 128: (128, 2 if kind == "float" else 3),
+            256: (64, 2 if kind == "float" else 3)}[head_dim]
+    assert (plan.block_n, plan.stages) == want
+    assert head_dim in gb.BACKEND.head_dims[call.op]
+
+
+def test_the_cp_pipeline_is_int8_k_at_128_only(gb):
+    for spec in (dict(kind="float"), dict(kind="int8_kv"), dict(head_dim=256)):
+        call = _int8k([5, 3], [7, 20], **spec).call()
+        with pytest.raises(ValueError, match=r"plan: the cp pipeline runs INT8 K with a "
+                                             r"16-bit V at head_dim 128 only, not"):
+            gb.make_plan(call, pipeline="cp")
+    assert gb.make_plan(_int8k([5, 3], [7, 20]).call(), pipeline="cp").pipeline == "cp"
 
 
 def test_supports_names_the_device_and_the_missing_options_first(gb):
@@ -92,6 +137,8 @@ def test_default_plan(gb, q_lens, group, plan):
     (dict(block_size=32), True),
     (dict(block_size=1), False),  # one box per key
     (dict(block_size=24), False),  # 128-key tiles would split a page
+    (dict(head_dim=64), True),  # 64-byte int8 rows: a 64-byte swizzle, one box wide
+    (dict(head_dim=64, kind="float"), True),
 ])
 def test_the_default_plan_takes_tma_where_the_pages_allow_it(gb, spec, ws):
     call = _int8k([130, 3], [7, 300], **spec).call()
@@ -217,6 +264,45 @@ def test_varlen_batches_match_the_reference(gb, name, pipeline, monkeypatch):
         assert numerics.rel_err(case.run_op(**hints), want) <= tol
 
 
+# the other cache kinds and head dims (INT8 K at 128: CASES): one "ws" compile each
+KIND_CASES = {
+    f"{kind}-d{d}": dict(kind=kind, head_dim=d, q_lens=[1, 4, 17, 300],
+                         histories=[1000, 0, 1, 200], num_q_heads=24 if d == 256 else 16)
+    for kind in ("float", "int8_k", "int8_kv") for d in (64, 128, 256)
+    if (kind, d) != ("int8_k", 128)
+} | {
+    "float-fp16-noncausal": dict(kind="float", dtype=torch.float16, causal=False,
+                                 q_lens=[64, 5, 200], histories=[0, 100, 300]),
+    "float-hnd-page256": dict(kind="float", layout="HND", block_size=256, q_lens=[130, 3],
+                              histories=[7, 300]),
+    "int8_kv-gqa8-packed": dict(kind="int8_kv", q_lens=[4, 2, 3], histories=[500, 40, 0],
+                                num_q_heads=32, num_kv_heads=4),  # 8 heads x 4 tokens
+    "int8_kv-fp16-page32": dict(kind="int8_kv", dtype=torch.float16, block_size=32,
+                                q_lens=[129, 1, 40], histories=[0, 1000, 1]),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(KIND_CASES))
+def test_every_cache_kind_matches_the_reference(gb, name, monkeypatch):
+    """bf16/fp16 K and V (the float op), INT8 K and INT8 K+V, head_dim 64/128/256, on the
+    "ws" kernel's default plan, directly into NaN and through the op."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    spec = dict(KIND_CASES[name])
+    case = _int8k(spec.pop("q_lens"), spec.pop("histories"), device="cuda", **spec)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    assert reason(gb.BACKEND, call) is None
+    assert gb.default_plan(call).pipeline == "ws"
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+    got = case.run_backend(gb.BACKEND, None, **hints)
+    assert numerics.rel_err(got, want) <= tol
+    monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+    assert numerics.rel_err(case.run_op(**hints), want) <= tol
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_other_tile_shapes_match_the_reference(gb, pipeline):
@@ -232,14 +318,15 @@ def test_other_tile_shapes_match_the_reference(gb, pipeline):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pipeline", PIPELINES)
-def test_cuda_graph_replays(gb, pipeline):
+@pytest.mark.parametrize(("pipeline", "kind"), [("ws", "int8_k"), ("cp", "int8_k"),
+                                                ("ws", "float"), ("ws", "int8_kv")])
+def test_cuda_graph_replays(gb, pipeline, kind):
     """100 replays of a captured launch give the eager output, and a replay reads new
     inputs: no host synchronisation, and the TMA descriptors captured as parameters stay
     valid."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
-    case = _int8k([300, 4, 17, 1], [1000, 1, 0, 200], device="cuda", seed=2)
+    case = _int8k([300, 4, 17, 1], [1000, 1, 0, 200], device="cuda", seed=2, kind=kind)
     hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
     call = case.call(**hints)
     plan = gb.make_plan(call, pipeline=pipeline)
@@ -255,7 +342,7 @@ def test_cuda_graph_replays(gb, pipeline):
     assert all(torch.equal(o, eager) for o in outs)
     case.query.copy_(torch.randn_like(case.query))
     graph.replay()
-    tol = numerics.kernel_tolerance(case.query.dtype, "int8_k")
+    tol = numerics.kernel_tolerance(case.query.dtype, kind)
     assert numerics.rel_err(out, case.reference()) <= tol
 
 
@@ -282,6 +369,13 @@ GRID = [
     GridCase("gluon-int8k-f16-gqa8-noncausal", dict(seq_lens=(40, 53), q_lens=(6, 9),
                                                     num_q_heads=16, head_dim=128,
                                                     dtype=torch.float16, kind="int8_k")),
+    GridCase("gluon-bf16-gqa4-causal-d256", dict(seq_lens=(300, 70), q_lens=(300, 7),
+                                                 num_q_heads=8, head_dim=256,
+                                                 dtype=torch.bfloat16, causal=True), "exact"),
+    GridCase("gluon-int8kv-f16-gqa8-noncausal-d64", dict(seq_lens=(40, 53), q_lens=(6, 9),
+                                                         num_q_heads=16, head_dim=64,
+                                                         dtype=torch.float16,
+                                                         kind="int8_kv")),
 ]
 
 

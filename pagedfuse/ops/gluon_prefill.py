@@ -1,5 +1,7 @@
-"""Gluon paged prefill for INT8 K on Hopper: the int8 Q·K^T of one key tile runs on the
-tensor cores while the softmax of another runs on the CUDA cores.
+"""Gluon paged prefill on Hopper: the Q·K^T of one key tile runs on the tensor cores while
+the softmax of another runs on the CUDA cores. The "ws" kernel serves every cache kind,
+taken from its arguments (one kernel, not a copy per kind): 16-bit K and V, INT8 K with a
+16-bit V, and INT8 K+V; "cp" serves INT8 K with a 16-bit V.
 
 Triton's ``tl.dot`` waits for each Q·K^T wgmma where it is issued (its pipeliner keeps only
 a loop-carried accumulator in flight), so the int8 tensor-core time is never hidden behind
@@ -12,16 +14,18 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   box of a 2D view of the cache whose rows are tokens (row stride: the cache's token
   stride; page (block, head) starts at row block * stride_b / stride_t + head * stride_h //
   stride_t, column head * stride_h % stride_t, which covers NHD and HND), so a tile is one
-  box per page (per 128 bytes of a row), all signalling the tile's ``ready`` mbarrier with
-  its byte count. The tile's key scales are loaded into registers before the producer waits
-  for the buffer and stored to shared memory after. The one tile that reaches past the
-  sequence's last key is copied with cp.async instead, zero-filled past it: a slot past the
-  sequence may hold any bits (NaN too), and P·V would carry them into the rows with weight
-  0. Each consumer issues tile j+1's Q·K^T and tile j's P·V together and then runs tile
-  j+1's softmax while P·V is still on the tensor cores (FA3's intra-warpgroup overlap); two
-  consumers take turns issuing (two ``turn`` mbarriers: FA3's ping-pong), so one's softmax
-  runs while the other's wgmma do. A consumer releases a buffer (``empty``) once its P·V
-  on it is done.
+  box per page (per swizzle span of a row: 128 bytes, or the row where it is narrower),
+  all signalling the tile's ``ready`` mbarrier with its byte count. An int8 cache's
+  per-token scales are loaded into registers before the producer waits for the buffer and
+  stored to shared memory after. The one tile that reaches past the sequence's last key is
+  copied with cp.async instead, 8 rows by one swizzle span at a time, zero-filled past the
+  key: a slot past the sequence may hold any bits (NaN too), and P·V would carry them into
+  the rows with weight 0. Each consumer issues tile j+1's Q·K^T and tile j's P·V together
+  and then runs tile j+1's softmax while P·V is still on the tensor cores (FA3's
+  intra-warpgroup overlap); two consumers take turns issuing (two ``turn`` mbarriers: FA3's
+  ping-pong), so one's softmax runs while the other's wgmma do. A consumer releases a
+  buffer (``empty``) once its P·V on it is done; with INT8 V, once it has widened the
+  tile's V into its own fp16 copy (below), which the next P·V reads.
 - ``"cp"`` (gluon_prefill_kernel): one partition of ``block_m // 16`` warps; K, V and the
   key scales gathered through the block table with cp.async (any page size and stride),
   ``stages`` buffers deep (tile i in buffer i % stages; the copy of tile j + stages - 1 is
@@ -30,11 +34,16 @@ pipelines, chosen by ``GluonPlan.pipeline``:
 
 Both: grid (head pack, query tile, sequence) as in triton_prefill.py (the longest causal
 tiles first); a tile holds ``block_m`` rows, token-major over ``pack`` query heads of one
-GQA group. Q is quantized once per (token, head) before the kernel and kept in shared
-memory. Scores: int32 -> fp32 by their bits (0x4B400000 + x is the float 1.5 * 2**23 + x for
-|x| < 2**22) and one FFMA with the key's scale; the row's q_scale * softmax scale * log2(e)
-joins the exp2's FMA. Softmax online in fp32, log2 domain; P·V is a bf16/fp16 wgmma with P
-from registers and V from shared memory.
+GQA group, kept in shared memory. INT8 K: Q is quantized once per (token, head) before the
+kernel, Q·K^T is an int8 wgmma with int32 scores, turned to fp32 by their bits (0x4B400000 +
+x is the float 1.5 * 2**23 + x for |x| < 2**22) and one FFMA with the key's scale; the row's
+q_scale * softmax scale * log2(e) joins the exp2's FMA. 16-bit K: Q·K^T is a bf16/fp16
+wgmma with fp32 scores and softmax scale * log2(e) in the exp2's FMA. Softmax online in
+fp32, log2 domain; P·V is a 16-bit wgmma with P from registers and V from shared memory:
+V's type for a 16-bit V cache; for INT8 V, fp16 P' = p * v_scale (the CUDA decode's
+choice: fp16 keeps 3 more bits of P' than bf16, and p <= 1 here) over V's int8 values
+widened exactly to fp16 (a V scale above 65504 overflows P' to Inf, as the Triton prefill's
+fp16 path does).
 
 Causal masking is bottom-right aligned; tiles wholly above the diagonal are never visited,
 and only tiles that reach past a row group's first row's last key or the sequence take the
@@ -71,10 +80,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from pagedfuse.ops.backends.gluon_prefill import (
     CONSUMER_REGS,
     PRODUCER_REGS,
-    SWIZZLE,
     GluonPlan,
     check_plan,
     default_plan,
+    swizzle_bytes,
     tma_rows,
 )
 from pagedfuse.ops.call import PagedCall
@@ -123,14 +132,17 @@ def _key_bounds(seq_len, ctx, t_first, tokens, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _row_constants(qs_ptr, rows, t0, q_start, q_len, seq_len, ctx, pid_h, stride_qst,
-                   stride_qsh, sm_scale_log2, PACK: gl.constexpr, TOKENS: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-    """Per score row: q_scale * softmax scale * log2(e), and the keys it reads (< row_end)."""
+                   stride_qsh, sm_scale_log2, PACK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Per score row: the factor to log2-domain logits (softmax scale * log2(e), times the
+    row's q_scale for an int8 query: ``qs_ptr`` not None), and the keys it reads (<
+    row_end)."""
     t = t0 + rows // PACK
-    ok = (t < q_len) & (rows < TOKENS * PACK)
-    row_scale = gl.load(qs_ptr + (q_start + t).to(gl.int64) * stride_qst
-                        + (pid_h * PACK + rows % PACK) * stride_qsh,
-                        mask=ok, other=0.0) * sm_scale_log2
+    if qs_ptr is None:
+        row_scale = gl.full(rows.shape, sm_scale_log2, gl.float32, rows.type.layout)
+    else:  # (a row past the sequence's queries reads its last one, as _load_q does)
+        row_scale = gl.load(qs_ptr + (q_start + gl.minimum(t, q_len - 1)).to(gl.int64)
+                            * stride_qst + (pid_h * PACK + rows % PACK) * stride_qsh)
+        row_scale = row_scale * sm_scale_log2
     if CAUSAL:
         row_end = gl.minimum(ctx + t + 1, seq_len)
     else:
@@ -139,10 +151,19 @@ def _row_constants(qs_ptr, rows, t0, q_start, q_len, seq_len, ctx, pid_h, stride
 
 
 @gluon.jit
+def _key_scaled(s_int, k_scale):
+    """fp32 scores from int8 Q·K^T's int32 ones and the keys' scales (the query's joins the
+    softmax's FMA): int32 -> fp32 by its bits, then one FFMA with the key's scale (an Inf
+    scale gives Inf - Inf = NaN, as the dequantized key's 0 * Inf does)."""
+    s = (s_int + MAGIC).to(gl.float32, bitcast=True)
+    return gl.fma(s, k_scale[None, :], (k_scale * -MAGIC_F)[None, :])
+
+
+@gluon.jit
 def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr):
-    """Tile weights exp2(s * row_scale - m) and the new row maxima, from key-scaled scores
-    ``s``. MASKED: key n counts for row i only below row_end[i]; otherwise every key counts
-    and the scale folds into the exp2's FMA (row_scale >= 0)."""
+    """Tile weights exp2(s * row_scale - m) and the new row maxima, from scores ``s``.
+    MASKED: key n counts for row i only below row_end[i]; otherwise every key counts and the
+    scale folds into the exp2's FMA (row_scale >= 0)."""
     if MASKED:
         x = gl.where(offs_n[None, :] < row_end[:, None], s * row_scale[:, None], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -156,15 +177,10 @@ def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _online(s_int, k_scale, m_i, l_i, row_scale, row_end, start, full, cols,
-            BLOCK_N: gl.constexpr):
-    """One key tile of the online softmax from its int32 scores: the weights, the new row
+def _online(s, m_i, l_i, row_scale, row_end, start, full, cols, BLOCK_N: gl.constexpr):
+    """One key tile of the online softmax from its fp32 scores: the weights, the new row
     maxima and sums, and the factor the accumulator takes (the masked path only for a tile
     that reaches past ``full``)."""
-    # int32 -> fp32 by its bits, then one FFMA with the key's scale (an Inf scale gives
-    # Inf - Inf = NaN, as the dequantized key's 0 * Inf does)
-    s = (s_int + MAGIC).to(gl.float32, bitcast=True)
-    s = gl.fma(s, k_scale[None, :], (k_scale * -MAGIC_F)[None, :])
     if start + BLOCK_N <= full:  # every key visible to every row
         p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, False)
     else:
@@ -191,48 +207,23 @@ def _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h,
 
 @gluon.jit
 def _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
-            PACK: gl.constexpr, TOKENS: gl.constexpr, HEAD_DIM: gl.constexpr,
-            COPY: gl.constexpr):
-    """The int8 query rows of this tile, token-major over the packed heads (0 past the
-    sequence's queries)."""
-    t = t0 + rows // PACK
-    ok = (t < q_len) & (rows < TOKENS * PACK)
+            PACK: gl.constexpr, HEAD_DIM: gl.constexpr, COPY: gl.constexpr):
+    """The query rows of this tile (int8 or 16-bit), token-major over the packed heads. A
+    row past the sequence's queries (never stored) reads its last one: no mask, so that no
+    predicate of it stays live to the store (the consumers spilled them)."""
+    t = gl.minimum(t0 + rows // PACK, q_len - 1)
     off = (q_start + t).to(gl.int64) * stride_qt + (pid_h * PACK + rows % PACK) * stride_qh
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
-    return gl.load(q_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0)
-
-
-@gluon.jit
-def _copy_keys(k_buf, v_buf, ks_buf, k_ptr, v_ptr, ks_ptr, bt_row_ptr, start, end, kvh,
-               num_blocks, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-               stride_ksb, stride_kst, stride_ksh, stride_btn, ROWS: gl.constexpr,
-               HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, COPY: gl.constexpr):
-    """cp.async of keys [start, start + ROWS) into ``k_buf``, ``v_buf`` and ``ks_buf``: K
-    and V rows and the key scales, gathered through the block table; keys >= ``end`` are
-    zero-filled, not read."""
-    offs_n = start + gl.arange(0, ROWS, gl.SliceLayout(1, COPY))
-    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
-    ok = offs_n < end
-    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
-                        num_blocks)
-    slot = offs_n % PAGE
-    k_row = blk * stride_kb + slot * stride_kt + kvh * stride_kh
-    v_row = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-    cp.async_copy_global_to_shared(k_buf, k_ptr + k_row[:, None] + offs_d[None, :],
-                                   mask=ok[:, None])
-    cp.async_copy_global_to_shared(v_buf, v_ptr + v_row[:, None] + offs_d[None, :],
-                                   mask=ok[:, None])
-    cp.async_copy_global_to_shared(
-        ks_buf, ks_ptr + blk * stride_ksb + slot * stride_kst + kvh * stride_ksh, mask=ok)
+    return gl.load(q_ptr + off[:, None] + offs_d[None, :])
 
 
 # ---- "ws": warp-specialized, TMA -----------------------------------------------------------
 
 @gluon.jit
 def _box(buf, chunk, row, rows: gl.constexpr, desc):
-    """Rows [row, row + rows) of 128-byte column chunk ``chunk`` of a [keys, D] buffer, as
-    the destination of one TMA box: an NVMMA tile with 128-byte swizzle stores its columns
-    in 128-byte chunks of all rows, one after another."""
+    """Rows [row, row + rows) of column chunk ``chunk`` (one swizzle span) of a [keys, D]
+    buffer, as the destination of one TMA box: an NVMMA tile stores its columns in
+    swizzle-wide chunks of all rows, one after another."""
     width: gl.constexpr = desc.block_type.shape[1]
     chunks: gl.constexpr = buf.type.shape[1] // width
     keys: gl.constexpr = buf.type.shape[0]
@@ -241,39 +232,83 @@ def _box(buf, chunk, row, rows: gl.constexpr, desc):
 
 
 @gluon.jit
+def _scales(s_ptr, st, blk, slot, kvh, ok):
+    """Per-token scales of an int8 cache (``st``: its (block, token, head) strides)."""
+    return gl.load(s_ptr + blk * st[0] + slot * st[1] + kvh * st[2], mask=ok, other=0.0)
+
+
+@gluon.jit
+def _copy_tail(buf, r, desc, ptr, st, bt_row_ptr, start, end, kvh, num_blocks, stride_btn,
+               PAGE: gl.constexpr):
+    """cp.async of keys [start + r, start + r + 8) of one cache into rows [r, r + 8) of its
+    tile ``buf``, gathered through the block table (``st``: the cache's (block, token, head)
+    strides), one swizzle span (``desc``'s box width) at a time: 16 bytes per lane and
+    copy, so that the producer warp's few registers hold the addresses. Keys >= ``end``
+    are zero-filled, not read."""
+    W: gl.constexpr = desc.block_type.shape[1]
+    VEC: gl.constexpr = 128 // desc.dtype.primitive_bitwidth
+    ROWS: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // W, W // VEC], [1, 1], [1, 0])
+    offs_n = start + r + gl.arange(0, 8, gl.SliceLayout(1, ROWS))
+    ok = offs_n < end
+    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
+                        num_blocks)
+    row = blk * st[0] + (offs_n % PAGE) * st[1] + kvh * st[2]
+    offs_d = gl.arange(0, W, gl.SliceLayout(0, ROWS))
+    for c in gl.static_range(buf.type.shape[1] // W):
+        cp.async_copy_global_to_shared(_box(buf, c, r, 8, desc),
+                                       ptr + row[:, None] + (c * W + offs_d)[None, :],
+                                       mask=ok[:, None])
+
+
+@gluon.jit
+def _store_scales(ks_smem, vs_smem, i, k_scale, v_scale):
+    """A tile's key and value scales (None: that cache is 16-bit) into buffer ``i``."""
+    if k_scale is not None:
+        ks_smem.index(i).store(k_scale)
+    if v_scale is not None:
+        vs_smem.index(i).store(v_scale)
+
+
+@gluon.jit
 def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, COPY_TPW_D: gl.constexpr):
+              STAGES: gl.constexpr):
     """One warp: fills buffer j % STAGES with key tile j once the consumers released it."""
-    (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, bt_row_ptr, k_smem, v_smem, ks_smem, ready, empty,
-     seq_len, num_tiles, kvh, num_blocks, stride_kb, stride_kt, stride_kh, stride_vb,
-     stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btn) = args
+    (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
+     vs_smem, ready, empty, seq_len, num_tiles, kvh, num_blocks, k_st, v_st, ks_st, vs_st,
+     stride_btn) = args
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     KW: gl.constexpr = k_desc.block_type.shape[1]
     VW: gl.constexpr = v_desc.block_type.shape[1]
-    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * (1 + v_desc.dtype.primitive_bitwidth // 8)
+    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * (k_desc.dtype.primitive_bitwidth
+                                                     + v_desc.dtype.primitive_bitwidth) // 8
+    SCALED: gl.constexpr = ks_ptr is not None or vs_ptr is not None
     KEYS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
-    TAIL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [1, 1],
-                                          [1, 0])
-    TAIL_ROWS: gl.constexpr = 8  # rows per cp.async step of the tail tile (few registers)
     # where the page (block, kvh) starts in the TMA views: row block * per_block + row0,
     # column col (int32: the backend checks that the views have fewer than 2**31 rows)
-    k_per_block = (stride_kb // stride_kt).to(gl.int32)
-    k_row0 = ((kvh * stride_kh) // stride_kt).to(gl.int32)
-    k_col = ((kvh * stride_kh) % stride_kt).to(gl.int32)
-    v_per_block = (stride_vb // stride_vt).to(gl.int32)
-    v_row0 = ((kvh * stride_vh) // stride_vt).to(gl.int32)
-    v_col = ((kvh * stride_vh) % stride_vt).to(gl.int32)
+    k_per_block = (k_st[0] // k_st[1]).to(gl.int32)
+    k_row0 = ((kvh * k_st[2]) // k_st[1]).to(gl.int32)
+    k_col = ((kvh * k_st[2]) % k_st[1]).to(gl.int32)
+    v_per_block = (v_st[0] // v_st[1]).to(gl.int32)
+    v_row0 = ((kvh * v_st[2]) // v_st[1]).to(gl.int32)
+    v_col = ((kvh * v_st[2]) % v_st[1]).to(gl.int32)
     for j in range(num_tiles):
         i = j % STAGES
         start = j * BLOCK_N
-        # the key scales (for a tile in the sequence), loaded before waiting for the buffer
-        # so that their latency overlaps the wait
-        offs = start + gl.arange(0, BLOCK_N, KEYS)
-        ok = offs < seq_len
-        blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
-                                    other=0), num_blocks)
-        k_scale = gl.load(ks_ptr + blk * stride_ksb + (offs % PAGE) * stride_kst
-                          + kvh * stride_ksh, mask=ok, other=0.0)
+        # the scales (of a tile in the sequence), loaded before waiting for the buffer so
+        # that their latency overlaps the wait
+        if SCALED:
+            offs = start + gl.arange(0, BLOCK_N, KEYS)
+            ok = offs < seq_len
+            blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
+                                        other=0), num_blocks)
+        if ks_ptr is None:
+            k_scale: gl.constexpr = None
+        else:
+            k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
+        if vs_ptr is None:
+            v_scale: gl.constexpr = None
+        else:
+            v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
         mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
         k_buf = k_smem.index(i)
         v_buf = v_smem.index(i)
@@ -293,19 +328,20 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
                 for c in gl.static_range(HEAD_DIM // VW):
                     tma.async_copy_global_to_shared(v_desc, [v_row, v_col + c * VW], bar,
                                                     _box(v_buf, c, p * BOX, BOX, v_desc))
-            ks_smem.index(i).store(k_scale)
-            mbarrier.arrive(bar, count=1)
-        else:  # the tile past the sequence's last key, zero-filled there, with its scales
-            for r in gl.static_range(0, BLOCK_N, TAIL_ROWS):
-                _copy_keys(k_buf.slice(r, TAIL_ROWS), v_buf.slice(r, TAIL_ROWS),
-                           ks_smem.index(i).slice(r, TAIL_ROWS), k_ptr, v_ptr, ks_ptr,
-                           bt_row_ptr, start + r, seq_len, kvh, num_blocks, stride_kb,
-                           stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb,
-                           stride_kst, stride_ksh, stride_btn, TAIL_ROWS, HEAD_DIM, PAGE, TAIL)
+            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)
+        else:  # the tile past the sequence's last key, zero-filled there
+            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)  # (0 there; first: registers)
+            for r in gl.static_range(0, BLOCK_N, 8):
+                _copy_tail(k_buf, r, k_desc, k_ptr, k_st, bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
+                _copy_tail(v_buf, r, v_desc, v_ptr, v_st, bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
             cp.commit_group()
             cp.wait_group(0)
             fence_async_shared()  # the wgmma read K and V through the async proxy
-            mbarrier.arrive(bar, count=2)
+            mbarrier.arrive(bar, count=1)
+        if SCALED:
+            mbarrier.arrive(bar, count=1)  # the scales are in
 
 
 @gluon.jit
@@ -322,37 +358,109 @@ def _pass_turn(turn, WG: gl.constexpr, CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
+def _scores(s, ks_smem, i, QK: gl.constexpr):
+    """fp32 scores of key tile ``i`` from the Q·K^T accumulator (int32 with an int8 K cache:
+    ``ks_smem`` holds its key scales)."""
+    if ks_smem is not None:
+        s = _key_scaled(s, ks_smem.index(i).load(gl.SliceLayout(0, QK)))
+    return s
+
+
+@gluon.jit
+def _p_operand(p, vs_smem, i, QK: gl.constexpr, P_OP: gl.constexpr, PV_T: gl.constexpr):
+    """P as the P·V wgmma's register operand in its type; with an INT8 V cache (``vs_smem``
+    holds its scales) P' = p * v_scale, in fp16 as the CUDA decode has it (a weight of 0
+    stays 0 whatever the key's scale)."""
+    if vs_smem is not None:
+        v_scale = vs_smem.index(i).load(gl.SliceLayout(0, QK))
+        p = gl.where(p > 0.0, p * v_scale[None, :], 0.0)
+    return gl.convert_layout(p.to(PV_T), P_OP)
+
+
+@gluon.jit
+def _widen(v8, v16, WIDEN: gl.constexpr):
+    """An int8 V tile to fp16 in the consumer's own buffer, exactly (|v| <= 128): 0x6480 + v
+    are the bits of the fp16 1152 + v, so a packed integer add and a packed fp16 subtract
+    do what a conversion instruction would at 16 per clock and SM on sm_90, the rate of the
+    softmax's exp2. WIDEN gives each thread 16 values of a row; one row chunk at a time, so
+    that the widening adds few registers beside the accumulator (at head_dim 256 larger
+    chunks spilled)."""
+    ROWS: gl.constexpr = v8.type.shape[0]
+    CHUNK: gl.constexpr = 16 * 128 // v8.type.shape[1]  # 4 warps x 32 lanes x 16 values
+    for r in gl.static_range(0, ROWS, CHUNK):
+        x = v8.slice(r, CHUNK).load(WIDEN)
+        h = (x.to(gl.int16) + 0x6480).to(gl.float16, bitcast=True) - 1152.0
+        v16.slice(r, CHUNK).store(h)
+    fence_async_shared()  # the P·V wgmma reads it through the async proxy
+    gl.thread_barrier()  # ... once the warpgroup's four warps wrote it
+
+
+@gluon.jit
+def _v_tile(v_smem, v16, i):
+    """The P·V wgmma's V: the cache's tile ``i``, or the consumer's fp16 copy of it (``v16``
+    not None: an INT8 V cache)."""
+    if v16 is None:
+        tile = v_smem.index(i)
+    else:
+        tile = v16
+    return tile
+
+
+@gluon.jit
+def _release_v(v_smem, v16, empty, i, WIDEN: gl.constexpr):
+    """With an INT8 V cache: tile ``i``'s V to the fp16 copy, then its buffer back to the
+    producer (its Q·K^T is done too); otherwise the buffer goes back after the P·V that
+    reads it."""
+    if v16 is not None:
+        _widen(v_smem.index(i), v16, WIDEN)
+        mbarrier.arrive(empty.index(i), count=1)
+
+
+@gluon.jit
+def _release_after_pv(empty, i, v16):
+    if v16 is None:
+        mbarrier.arrive(empty.index(i), count=1)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over every key tile (``args``:
     one tuple for both consumers, since a partition's arguments cannot be spliced)."""
-    (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, ready, empty, turn,
-     sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h,
+    (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, ready, empty,
+     turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h,
      stride_qt, stride_qh, stride_qst, stride_qsh) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
-    QK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, BLOCK_N, 32])
+    # Q·K^T: int8 (k32) with an int8 query, else 16-bit (k16); P·V: V's type, fp16 for INT8 V
+    QK: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1],
+        instr_shape=[16, BLOCK_N, 32 if qs_ptr is not None else 16])
     PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, HEAD_DIM, 16])
     P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
-    half: gl.constexpr = out_ptr.dtype.element_ty
+    PV_T: gl.constexpr = v_smem.dtype if v16_smem is None else gl.float16
+    S_T: gl.constexpr = gl.int32 if qs_ptr is not None else gl.float32
 
     rows = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, COPY))
     q_buf = q_smem.index(WG)
     q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK,
-                        TOKENS, HEAD_DIM, COPY))
+                        HEAD_DIM, COPY))
     fence_async_shared()  # the wgmma read it through the async proxy
+    if v16_smem is None:
+        v16: gl.constexpr = None
+    else:
+        v16 = v16_smem.index(WG)
     rows_s = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
-                                        TOKENS, CAUSAL)
+                                        CAUSAL)
     _, full = _key_bounds(seq_len, ctx, t0 + (WG * WG_ROWS) // PACK, 1, CAUSAL)
     full = gl.minimum(full, hi)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
-    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, QK)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], S_T, QK)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, PV)
@@ -363,10 +471,10 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                               is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
-        k_scale = ks_smem.index(0).load(gl.SliceLayout(0, QK))
-        p, m_i, l_i, alpha = _online(s, k_scale, m_i, l_i, row_scale, row_end, 0, full, cols,
-                                     BLOCK_N)
-        p16 = gl.convert_layout(p.to(half), P_OP)
+        p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
+                                     row_end, 0, full, cols, BLOCK_N)
+        p16 = _p_operand(p, vs_smem, 0, QK, P_OP, PV_T)
+        _release_v(v_smem, v16, empty, 0, COPY)
         for j in range(1, num_tiles):
             cur = j % STAGES
             prev = (j - 1) % STAGES
@@ -376,94 +484,140 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             # runs while P·V is on the tensor cores
             s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
-            acc_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, prev), acc, is_async=True)
             _pass_turn(turn, WG, CONSUMERS)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
-            k_scale = ks_smem.index(cur).load(gl.SliceLayout(0, QK))
-            p, m_i, l_i, alpha = _online(s, k_scale, m_i, l_i, row_scale, row_end,
-                                         j * BLOCK_N, full, cols, BLOCK_N)
+            p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
+                                         row_end, j * BLOCK_N, full, cols, BLOCK_N)
             acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-            mbarrier.arrive(empty.index(prev), count=1)
+            _release_after_pv(empty, prev, v16)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
-            p16 = gl.convert_layout(p.to(half), P_OP)
+            p16 = _p_operand(p, vs_smem, cur, QK, P_OP, PV_T)
+            _release_v(v_smem, v16, empty, cur, COPY)
         last = (num_tiles - 1) % STAGES
         _take_turn(turn, WG, num_tiles, CONSUMERS)
-        acc_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, last), acc, is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-        mbarrier.arrive(empty.index(last), count=1)
+        _release_after_pv(empty, last, v16)
     _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
                 HEAD_DIM, PV, COPY)
 
 
 @gluon.jit
 def ws_prefill_kernel(
-    q_ptr, qs_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
+    q_ptr, qs_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btb,
-    stride_btn,
+    stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
+    stride_vst, stride_vsh, stride_btb, stride_btn,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
-    partition), plus consumer 1 (BLOCK_M 128) and the producer warp."""
+    partition), plus consumer 1 (BLOCK_M 128) and the producer warp. The caches' kinds come
+    from the arguments: an int8 query with its scales ``qs_ptr`` for an INT8 K cache (with
+    ``ks_ptr``), a 16-bit one and None for a 16-bit K cache; ``vs_ptr`` for an INT8 V
+    cache, None for a 16-bit one."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
-    TOKENS: gl.constexpr = BLOCK_M // PACK
-    half: gl.constexpr = out_ptr.dtype.element_ty
     pid_h = gl.program_id(0)
     tile = gl.num_programs(1) - 1 - gl.program_id(1)  # causal: the longest tiles first
     b = gl.program_id(2)
     seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
-    t0 = tile * TOKENS
+    t0 = tile * (BLOCK_M // PACK)
     if t0 >= q_len:
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
-    hi, _ = _key_bounds(seq_len, ctx, t0, TOKENS, CAUSAL)
+    hi, _ = _key_bounds(seq_len, ctx, t0, BLOCK_M // PACK, CAUSAL)
     num_tiles = gl.cdiv(hi, BLOCK_N)
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
 
+    q_type: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(
-        gl.int8, [CONSUMERS, WG_ROWS, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], gl.int8))
-    k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(half, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type))
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    SCALES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if ks_ptr is None:
+        ks_smem: gl.constexpr = None
+    else:
+        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], SCALES)
+    if vs_ptr is None:
+        vs_smem: gl.constexpr = None
+        v16_smem: gl.constexpr = None
+    else:  # INT8 V: its scales, and each consumer's fp16 copy of a tile
+        vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], SCALES)
+        v16_smem = gl.allocate_shared_memory(
+            gl.float16, [CONSUMERS, BLOCK_N, HEAD_DIM],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2)  # the K/V copies and the key scales
+        # the TMA copies, and the scales' stores where the caches have scales
+        mbarrier.init(ready.index(i), count=1 if ks_ptr is None and vs_ptr is None else 2)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
-    loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, bt_row_ptr, k_smem, v_smem, ks_smem, ready,
-             empty, seq_len, num_tiles, kvh, num_blocks, stride_kb, stride_kt, stride_kh,
-             stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btn)
-    rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, ready, empty, turn,
-            sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h,
-            stride_qt, stride_qh, stride_qst, stride_qsh)
+    loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
+             vs_smem, ready, empty, seq_len, num_tiles, kvh, num_blocks,
+             (stride_kb, stride_kt, stride_kh), (stride_vb, stride_vt, stride_vh),
+             (stride_ksb, stride_kst, stride_ksh), (stride_vsb, stride_vst, stride_vsh),
+             stride_btn)
+    rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, ready,
+            empty, turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi,
+            num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst, stride_qsh)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, COPY_TPW_D)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, COPY_TPW_D)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
 # ---- "cp": one partition, cp.async -------------------------------------------------------
+
+@gluon.jit
+def _copy_keys(k_buf, v_buf, k_ptr, v_ptr, k_st, v_st, bt_row_ptr, start, end, kvh,
+               num_blocks, stride_btn, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               PAGE: gl.constexpr, COPY: gl.constexpr):
+    """cp.async of keys [start, start + ROWS) into ``k_buf`` and ``v_buf``, gathered through
+    the block table (``*_st``: the caches' (block, token, head) strides); keys >= ``end`` are
+    zero-filled, not read. Returns the keys' blocks, slots and whether each is < ``end``,
+    for ``_copy_scales``."""
+    offs_n = start + gl.arange(0, ROWS, gl.SliceLayout(1, COPY))
+    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
+    ok = offs_n < end
+    blk = _cache_blocks(gl.load(bt_row_ptr + (offs_n // PAGE) * stride_btn, mask=ok, other=0),
+                        num_blocks)
+    slot = offs_n % PAGE
+    k_row = blk * k_st[0] + slot * k_st[1] + kvh * k_st[2]
+    v_row = blk * v_st[0] + slot * v_st[1] + kvh * v_st[2]
+    cp.async_copy_global_to_shared(k_buf, k_ptr + k_row[:, None] + offs_d[None, :],
+                                   mask=ok[:, None])
+    cp.async_copy_global_to_shared(v_buf, v_ptr + v_row[:, None] + offs_d[None, :],
+                                   mask=ok[:, None])
+    return blk, slot, ok
+
+
+@gluon.jit
+def _copy_scales(buf, s_ptr, st, blk, slot, kvh, ok):
+    """cp.async of an int8 cache's per-token scales (keys from ``_copy_keys``) into ``buf``."""
+    cp.async_copy_global_to_shared(buf, s_ptr + blk * st[0] + slot * st[1] + kvh * st[2],
+                                   mask=ok)
+
 
 @gluon.jit
 def gluon_prefill_kernel(
@@ -476,7 +630,8 @@ def gluon_prefill_kernel(
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr,
 ):
-    """Grid (num_q_heads / PACK, query tiles, batch); num_warps = BLOCK_M // 16."""
+    """INT8 K, 16-bit V. Grid (num_q_heads / PACK, query tiles, batch); num_warps = BLOCK_M //
+    16."""
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
     TOKENS: gl.constexpr = BLOCK_M // PACK
     # 16-byte cp.async per thread and row piece (int8 K: one, 16-bit V: two)
@@ -505,25 +660,28 @@ def gluon_prefill_kernel(
     hi, full = _key_bounds(seq_len, ctx, t0, TOKENS, CAUSAL)
     num_tiles = gl.cdiv(hi, BLOCK_N)
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
+    k_st = (stride_kb, stride_kt, stride_kh)
+    v_st = (stride_vb, stride_vt, stride_vh)
+    ks_st = (stride_ksb, stride_kst, stride_ksh)
 
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
     v_smem = gl.allocate_shared_memory(half, [STAGES, BLOCK_N, HEAD_DIM], V_SMEM)
     ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
     for i in gl.static_range(STAGES - 1):  # the first tiles' copies
-        _copy_keys(k_smem.index(i), v_smem.index(i), ks_smem.index(i), k_ptr, v_ptr, ks_ptr,
-                   bt_row_ptr, i * BLOCK_N, hi, kvh, num_blocks, stride_kb, stride_kt,
-                   stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst,
-                   stride_ksh, stride_btn, BLOCK_N, HEAD_DIM, PAGE, COPY)
+        blk, slot, ok = _copy_keys(k_smem.index(i), v_smem.index(i), k_ptr, v_ptr, k_st, v_st,
+                                   bt_row_ptr, i * BLOCK_N, hi, kvh, num_blocks, stride_btn,
+                                   BLOCK_N, HEAD_DIM, PAGE, COPY)
+        _copy_scales(ks_smem.index(i), ks_ptr, ks_st, blk, slot, kvh, ok)
         cp.commit_group()
 
     rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, COPY))
     q_smem = gl.allocate_shared_memory(
         gl.int8, [BLOCK_M, HEAD_DIM], Q_SMEM,
-        _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK, TOKENS,
-                HEAD_DIM, COPY))
+        _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK, HEAD_DIM,
+                COPY))
     row_scale, row_end = _row_constants(qs_ptr, gl.arange(0, BLOCK_M, gl.SliceLayout(1, QK)),
                                         t0, q_start, q_len, seq_len, ctx, pid_h, stride_qst,
-                                        stride_qsh, sm_scale_log2, PACK, TOKENS, CAUSAL)
+                                        stride_qsh, sm_scale_log2, PACK, CAUSAL)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
 
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, QK)
@@ -543,19 +701,19 @@ def gluon_prefill_kernel(
         gl.thread_barrier()
         nxt = j + STAGES - 1
         buf = nxt % STAGES
-        _copy_keys(k_smem.index(buf), v_smem.index(buf), ks_smem.index(buf), k_ptr, v_ptr,
-                   ks_ptr, bt_row_ptr, nxt * BLOCK_N, hi, kvh, num_blocks, stride_kb,
-                   stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb,
-                   stride_kst, stride_ksh, stride_btn, BLOCK_N, HEAD_DIM, PAGE, COPY)
+        blk, slot, ok = _copy_keys(k_smem.index(buf), v_smem.index(buf), k_ptr, v_ptr, k_st,
+                                   v_st, bt_row_ptr, nxt * BLOCK_N, hi, kvh, num_blocks,
+                                   stride_btn, BLOCK_N, HEAD_DIM, PAGE, COPY)
+        _copy_scales(ks_smem.index(buf), ks_ptr, ks_st, blk, slot, kvh, ok)
         cp.commit_group()
         fence_async_shared()
         # the next tile's Q·K^T runs on the tensor cores during this tile's softmax
         s_next = warpgroup_mma(q_smem, k_smem.index((j + 1) % STAGES).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
         cur = j % STAGES
-        k_scale = ks_smem.index(cur).load(gl.SliceLayout(0, QK))
-        p, m_i, l_i, alpha = _online(s_cur, k_scale, m_i, l_i, row_scale, row_end,
-                                     j * BLOCK_N, full, cols, BLOCK_N)
+        s = _key_scaled(s_cur, ks_smem.index(cur).load(gl.SliceLayout(0, QK)))
+        p, m_i, l_i, alpha = _online(s, m_i, l_i, row_scale, row_end, j * BLOCK_N, full, cols,
+                                     BLOCK_N)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p16 = gl.convert_layout(p.to(half), P_OP)
         acc = warpgroup_mma(p16, v_smem.index(cur), acc, is_async=True)
@@ -576,40 +734,49 @@ class Launch(NamedTuple):
 
 
 def _descriptor(cache: torch.Tensor, box_rows: int) -> TensorDescriptor:
-    """The cache as a 2D TMA view [rows, token stride] with boxes of ``box_rows`` keys by
-    128 bytes (one swizzle span; a wider head is several boxes)."""
-    width = SWIZZLE // cache.element_size()
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=SWIZZLE,
+    """The cache as a 2D TMA view [rows, token stride] with boxes of ``box_rows`` keys by one
+    swizzle span (SWIZZLE bytes, or the whole head where it is narrower; a wider head is
+    several boxes)."""
+    width = swizzle_bytes(cache) // cache.element_size()
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle_bytes(cache),
                                   element_bitwidth=8 * cache.element_size(), rank=2)
     return TensorDescriptor(cache, [tma_rows(cache), cache.stride(1)], [cache.stride(1), 1],
-                            [box_rows, min(width, cache.shape[-1])], layout)
+                            [box_rows, width], layout)
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """A scale tensor's strides; zeros where the kernel has no such tensor (None)."""
+    return t.stride() if t is not None else (0,) * n
 
 
 def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Tensor,
-                q_scale: torch.Tensor) -> Launch:
+                q_scale: torch.Tensor | None) -> Launch:
     """The launch of ``call`` under ``plan``; ``q``: the int8 query with its per-(token,
-    head) scales ``q_scale``."""
+    head) scales ``q_scale`` for an INT8 K cache, else the query itself and None."""
     g = call.geometry
-    kc, vc, ks = call.key_cache, call.value_cache, call.key_scale
+    kc, vc, ks, vs = call.key_cache, call.value_cache, call.key_scale, call.value_scale
     tiles = triton.cdiv(call.query_bound, plan.tokens)
     grid = (g.num_q_heads // plan.pack, tiles, g.batch)
-    kernel, descriptors = gluon_prefill_kernel, ()
     options = dict(
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,
         COPY_TPW_D=min(g.head_dim // 16, 32), num_warps=plan.num_warps,
     )
+    tensors = [q, q_scale, kc, vc, ks]
+    strides = [*q.stride()[:2], *_strides(q_scale, 2), *kc.stride()[:3], *vc.stride()[:3],
+               *_strides(ks, 3)]
+    kernel = gluon_prefill_kernel
     if plan.pipeline == "ws":
         box = min(g.block_size, plan.block_n)
-        kernel, descriptors = ws_prefill_kernel, (_descriptor(kc, box), _descriptor(vc, box))
+        kernel = ws_prefill_kernel
+        tensors[2:2] = [_descriptor(kc, box), _descriptor(vc, box)]
+        tensors.append(vs)
+        strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                        maxnreg=plan.maxnreg)
-    args = (
-        q, q_scale, *descriptors, kc, vc, ks, call.block_table, call.seq_lens,
-        call.query_start_loc, out, call.scale * LOG2E, g.num_tokens, g.num_q_heads,
-        g.num_blocks, g.max_blocks, q.stride(0), q.stride(1), *q_scale.stride(),
-        *kc.stride()[:3], *vc.stride()[:3], *ks.stride(), *call.block_table.stride(),
-    )
+    args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
+            call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
+            *strides, *call.block_table.stride())
     return Launch(kernel, grid, args, options)
 
 
@@ -624,6 +791,6 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     g = call.geometry
     if g.num_tokens == 0 or g.batch == 0:
         return
-    q, q_scale = quantize_int8(call.query)
+    q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
     launch = launch_args(call, out, plan, q, q_scale)
     launch.kernel[launch.grid](*launch.args, **launch.options)

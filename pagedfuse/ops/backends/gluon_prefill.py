@@ -1,15 +1,21 @@
-"""The Gluon INT8 K prefill kernels (pagedfuse/ops/gluon_prefill.py) as a backend: calls
-with more than one query token per sequence over an INT8 K cache with a bf16/fp16 V cache, on
-an sm_90 GPU, where int8 Q·K^T overlaps the softmax.
+"""The Gluon prefill kernels (pagedfuse/ops/gluon_prefill.py) as a backend: calls with more
+than one query token per sequence on an sm_90 GPU, where the Q·K^T of one key tile overlaps
+the softmax of another. One "ws" kernel serves every cache kind: 16-bit K and V (the float
+op: a bf16/fp16 Q·K^T), INT8 K with a 16-bit V (an int8 Q·K^T over the query quantized per
+(token, head)) and INT8 K+V (V widened to fp16 in shared memory, P' = p * v_scale in fp16),
+at head_dim 64, 128 and 256.
 
 Two pipelines (``GluonPlan.pipeline``): "ws", warp-specialized with TMA loads of the pages
 (FlashAttention-3's structure; the default wherever the cache's page size and strides allow
 TMA boxes, see ``tma_unsupported``), and "cp", one partition with cp.async gathers (any page
-size and strides). Priority 120, below triton_prefill (150): opt-in through
-PAGEDFUSE_BACKEND=gluon_prefill. On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one
-run) "cp" was slower than triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K
-over 8K, and 1.56 against 1.41 at 2K over 16K, with the same error. "ws" has not run on a
-GPU yet (compiled for sm_90 offline: benchmarks/prefill_asm.py --kernel gluon).
+size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pages "ws"
+cannot load and "cp" does not cover is declined with the TMA reason. Priority 120, below
+triton_prefill (150) and cudnn_prefill (140): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
+On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run) "cp" was slower than
+triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K over 8K, and 1.56 against
+1.41 at 2K over 16K, with the same error; "ws" INT8 K took 1.16 ms and 0.952 (issue 22's
+record). The 16-bit and INT8 V kinds and head_dim 64/256 are compiled for sm_90 offline
+(benchmarks/prefill_asm.py --kernel gluon) but have not run on a GPU yet.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
@@ -25,11 +31,12 @@ import importlib.util
 import torch
 
 from pagedfuse.ops.backends.registry import Backend, register_backend
-from pagedfuse.ops.call import INT8_OP, PagedCall, options_missing
+from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.prefill_plan import prefill_unsupported
 
 NAME = "gluon_prefill"
-HEAD_DIMS = frozenset((128,))
+HEAD_DIMS = frozenset((64, 128, 256))
+CP_HEAD_DIMS = frozenset((128,))  # "cp": INT8 K with a 16-bit V only
 BLOCK_MS = (64, 128)  # one or two consumer warpgroups of 64 rows
 BLOCK_NS = (64, 128)
 PIPELINES = ("ws", "cp")
@@ -37,6 +44,14 @@ PIPELINES = ("ws", "cp")
 # one while the consumers read the other
 MIN_STAGES = {"ws": 2, "cp": 3}
 SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA box's width
+# "ws" keys per tile and buffers by (call.kind, head_dim): the most buffers that fit sm_90's
+# 227 KB of shared memory, and 64-key tiles where two 128-key buffers do not fit (head_dim
+# 256), as compiled offline (benchmarks/results/prefill_asm_sm90.json)
+WS_TILES = {
+    ("float", 64): (128, 3), ("int8_k", 64): (128, 3), ("int8_kv", 64): (128, 3),
+    ("float", 128): (128, 2), ("int8_k", 128): (128, 3), ("int8_kv", 128): (128, 3),
+    ("float", 256): (64, 2), ("int8_k", 256): (64, 3), ("int8_kv", 256): (64, 3),
+}
 # "ws" registers per thread (setmaxnreg): the producer warp needs few, and a consumer holds
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
@@ -78,19 +93,41 @@ class GluonPlan:
 def default_plan(call: PagedCall) -> GluonPlan:
     """128-row tiles for long queries; shorter ones pack heads of the GQA group into the
     rows (any divisor of the group) and take 64 rows once that holds the longest query.
-    The "ws" kernel wherever the cache allows its TMA boxes, else "cp"."""
+    The "ws" kernel with WS_TILES' keys and buffers wherever the cache allows its TMA boxes,
+    else "cp" (for a call "cp" does not run, ``call_unsupported`` says why)."""
     group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
-    plan = GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack)
+    block_n, stages = _ws_tiles(call)
+    plan = GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack, block_n=block_n,
+                     stages=stages)
     if tma_unsupported(call, plan.block_n):
-        plan = dataclasses.replace(plan, pipeline="cp")
+        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3)
     return plan
+
+
+def _ws_tiles(call: PagedCall) -> tuple[int, int]:
+    """The "ws" kernel's default keys per tile and buffers for ``call``."""
+    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3))
+
+
+def _cp_unsupported(call: PagedCall) -> str | None:
+    """Why the "cp" kernel cannot run ``call``."""
+    if call.kind != "int8_k" or call.geometry.head_dim not in CP_HEAD_DIMS:
+        return (f"the cp pipeline runs INT8 K with a 16-bit V at head_dim 128 only, not "
+                f"{call.kind} at {call.geometry.head_dim}")
+    return None
 
 
 def tma_rows(cache: torch.Tensor) -> int:
     """Rows of the cache's 2D TMA view: its token stride wide, covering every element."""
     extent = 1 + sum((n - 1) * st for n, st in zip(cache.shape, cache.stride(), strict=True))
     return -(-extent // cache.stride(1))
+
+
+def swizzle_bytes(cache: torch.Tensor) -> int:
+    """The shared-memory swizzle of a cache's tiles, and its TMA boxes' width in bytes: 128,
+    or a head's row where that is narrower (64-dim int8: 64)."""
+    return min(SWIZZLE, cache.shape[-1] * cache.element_size())
 
 
 def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
@@ -106,12 +143,13 @@ def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
         sb, st, sh, sd = cache.stride()
         size = cache.element_size()
         d = cache.shape[-1]
-        if d * size < SWIZZLE:
-            return f"{name}: head_dim {d} is narrower than a {SWIZZLE}-byte TMA box"
-        if sd != 1 or sb % st or (st * size) % 16 or cache.data_ptr() % 16:
-            return (f"{name}: strides {tuple(cache.stride())} at address "
-                    f"{cache.data_ptr():#x}: a 2D TMA view needs unit-stride heads, a block "
-                    "stride that is a multiple of the token stride, and 16-byte alignment")
+        if d * size not in (32, 64) and (d * size) % SWIZZLE:
+            return (f"{name}: head_dim {d}: a row of {d * size} bytes is not 32, 64 or a "
+                    f"multiple of {SWIZZLE} (the TMA boxes' swizzle spans)")
+        # (the op's checks have made the address and the strides 16-byte aligned)
+        if sd != 1 or sb % st:
+            return (f"{name}: strides {tuple(cache.stride())}: a 2D TMA view needs unit-stride "
+                    "heads and a block stride that is a multiple of the token stride")
         if any((h * sh) % st + d > st for h in range(cache.shape[2])):
             return (f"{name}: strides {tuple(cache.stride())}: a head's row does not lie in "
                     "one row of the token-stride view")
@@ -131,6 +169,8 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     """A plan's rules, with the argument named."""
     if plan.pipeline not in PIPELINES:
         raise ValueError(f"plan: pipeline {plan.pipeline!r} not in {PIPELINES}")
+    if plan.pipeline == "cp" and (why := _cp_unsupported(call)):
+        raise ValueError(f"plan: {why}")
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan: block_m {plan.block_m} not in {BLOCK_MS}")
     if plan.block_n not in BLOCK_NS:
@@ -159,16 +199,19 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def call_unsupported(call: PagedCall) -> str | None:
-    """Why the kernel cannot run ``call``, from the call alone (no device query): what it
-    does not implement. (A 16-bit V cache is in the query's dtype: validate checks that.)"""
-    if call.op != INT8_OP:
-        return "float caches: the gluon_prefill kernel is INT8 K only (triton_prefill runs them)"
-    if call.int8_v:
-        return "INT8 V: not in the gluon_prefill kernel yet (bf16/fp16 V only)"
+    """Why the kernels cannot run ``call``, from the call alone (no device query): what they
+    do not implement. (16-bit caches are in the query's dtype: validate checks that.)"""
     if call.geometry.head_dim not in HEAD_DIMS:
-        return f"head_dim {call.geometry.head_dim}: the gluon_prefill kernel is built for 128"
+        return (f"head_dim {call.geometry.head_dim}: the gluon_prefill kernel is built for "
+                f"{sorted(HEAD_DIMS)}")
     if call.attn_bias is not None:
         return "attn_bias: not in the gluon_prefill kernel"
+    cache = (*call.key_cache.shape, *call.key_cache.stride(), *call.value_cache.stride())
+    if not all(isinstance(n, int) for n in cache):
+        return "cache sizes or strides are dynamic: the TMA views are built from them"
+    why = tma_unsupported(call, _ws_tiles(call)[0])
+    if why and (cp := _cp_unsupported(call)):
+        return f"{why}; {cp}"
     return None
 
 
@@ -194,5 +237,5 @@ def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
 
 
 BACKEND = register_backend(Backend(
-    name=NAME, device="cuda", priority=120, head_dims={INT8_OP: HEAD_DIMS},
+    name=NAME, device="cuda", priority=120, head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS},
     supports=supports, run=run, make_plan=make_plan))
