@@ -24,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "args_dict.h"
 #include "common.h"
 
 namespace py = pybind11;
@@ -294,13 +295,8 @@ std::pair<at::Tensor, at::Tensor> launch_quantize(const Entry& e, const at::Tens
   return {std::move(q), std::move(scale)};
 }
 
-int64_t int_item(const py::dict& d, const char* name) { return d[name].cast<int64_t>(); }
-
-void copy_ints(const py::dict& d, const char* name, int64_t* dst, size_t n) {
-  const auto values = d[name].cast<std::vector<int64_t>>();
-  TORCH_CHECK(values.size() == n, "host spec ", name, ": expected ", n, " values");
-  std::copy(values.begin(), values.end(), dst);
-}
+using args_dict::int_arg;
+using args_dict::ints_arg;
 
 template <class Fn>
 Fn function_at(const py::dict& d, const char* name) {
@@ -311,49 +307,26 @@ Fn function_at(const py::dict& d, const char* name) {
 std::shared_ptr<const Entry> make_entry(const py::dict& spec) {
   auto e = std::make_shared<Entry>();
   const auto launcher = spec["launcher"].cast<std::string>();
-  if (spec.contains("masks")) copy_ints(spec, "masks", reinterpret_cast<int64_t*>(e->masks), 5);
+  if (spec.contains("masks")) ints_arg(spec, "masks", reinterpret_cast<int64_t*>(e->masks), 5);
   if (spec.contains("checks") && !spec["checks"].is_none()) {
     e->checks = spec["checks"].ptr();
     Py_INCREF(e->checks);
   }
   if (launcher == "cpu") {
     e->launcher = Launcher::cpu_attention;
-    PagedArgs& a = e->args;
-    const py::dict args = spec["args"].cast<py::dict>();
-    a.q_dtype = static_cast<Dtype>(int_item(args, "query_dtype"));
-    copy_ints(args, "query_strides", a.q_stride, 2);
-    a.k_dtype = static_cast<Dtype>(int_item(args, "key_dtype"));
-    copy_ints(args, "key_strides", a.k_stride, 3);
-    a.v_dtype = static_cast<Dtype>(int_item(args, "value_dtype"));
-    copy_ints(args, "value_strides", a.v_stride, 3);
-    copy_ints(args, "key_scale_strides", a.ks_stride, 3);
-    copy_ints(args, "value_scale_strides", a.vs_stride, 3);
-    a.max_blocks = int_item(args, "max_blocks");
-    a.num_blocks = int_item(args, "num_blocks");
-    a.bias_kind = static_cast<int>(int_item(args, "bias_kind"));
-    copy_ints(args, "bias_strides", a.bias_stride, 4);
-    a.num_tokens = int_item(args, "num_tokens");
-    a.num_q_heads = int_item(args, "num_q_heads");
-    a.num_kv_heads = int_item(args, "num_kv_heads");
-    a.head_dim = int_item(args, "head_dim");
-    a.batch = int_item(args, "batch");
-    a.block_size = int_item(args, "block_size");
-    a.scale = args["scale"].cast<float>();
-    a.causal = args["causal"].cast<bool>();
-    a.window_left = int_item(args, "window_left");
-    a.softcap = args["softcap"].cast<float>();
+    args_dict::parse_layout(spec["args"].cast<py::dict>(), e->args);
   } else if (launcher == "cuda_decode") {
     e->launcher = Launcher::cuda_decode;
     const auto bytes = spec["record"].cast<std::string>();
     e->record.resize((bytes.size() + 7) / 8);
     std::memcpy(e->record.data(), bytes.data(), bytes.size());
-    e->workspace = int_item(spec, "workspace");
+    e->workspace = int_arg(spec, "workspace");
     e->copy_query = spec["copy_query"].cast<bool>();
     e->decode = function_at<DecodeFused>(spec, "launch");
     e->error_string = function_at<ErrorString>(spec, "error_string");
   } else if (launcher == "cpu_quantize" || launcher == "cuda_quantize") {
     e->launcher = launcher == "cpu_quantize" ? Launcher::cpu_quantize : Launcher::cuda_quantize;
-    e->dtype = static_cast<int>(int_item(spec, "dtype"));
+    e->dtype = static_cast<int>(int_arg(spec, "dtype"));
     if (e->launcher == Launcher::cuda_quantize) {
       e->quantize = function_at<QuantizeFn>(spec, "launch");
       e->error_string = function_at<ErrorString>(spec, "error_string");

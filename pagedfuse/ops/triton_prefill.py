@@ -98,20 +98,22 @@ def _key_scales(s_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks, st
 
 
 @triton.jit
-def _step(acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
-          k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
-          window_left,
-          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-          stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
-          stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
-          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+def _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides, BLOCK_N: tl.constexpr,
+          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
           INT8_K: tl.constexpr, V_INT8: tl.constexpr, PV_INT8: tl.constexpr,
           CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr,
           WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASKED: the tile may
     reach past the sequence, the causal diagonal or a row's window start, or carries a
     bias; otherwise every key is in bounds and visible to every row. Keys before ``first``
-    (the tile's first row's window start) are read by no row and not loaded."""
+    (the tile's first row's window start) are read by no row and not loaded. ``tile``,
+    ``sources`` and ``strides``: the kernel's tuples of them (prefill_kernel)."""
+    first, b, kvh, head, t, ctx, seq_len = tile
+    (out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
+     window_left, bias_rows, bias_cols) = sources
+    (stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst,
+     stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn, stride_ab, stride_ah,
+     stride_am, stride_an) = strides
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     n_ok = offs_n < seq_len
@@ -274,34 +276,26 @@ def prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # what every key tile reads, as tuples (the three loops below pass them on)
+    tile = (first, b, kvh, head, t, ctx, seq_len)
+    sources = (out_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks,
+               softcap_log2, window_left, bias_rows, bias_cols)
+    strides = (stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb,
+               stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn, stride_ab,
+               stride_ah, stride_am, stride_an)
     if WINDOW:  # without a window lo_full is lo: the kernel is the one it was before
         for start in range(lo, lo_full, BLOCK_N):
-            acc, m_i, l_i = _step(
-                acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
-                window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
-                stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
-                BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-                WINDOW, SOFTCAP, MASKED=True)
+            acc, m_i, l_i = _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides,
+                                  BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL,
+                                  HAS_BIAS, BIAS_BOOL, WINDOW, SOFTCAP, MASKED=True)
     for start in range(lo_full, full, BLOCK_N):
-        acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
-            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
-            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
-            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-            WINDOW, SOFTCAP, MASKED=False)
+        acc, m_i, l_i = _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides,
+                              BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL,
+                              HAS_BIAS, BIAS_BOOL, WINDOW, SOFTCAP, MASKED=False)
     for start in range(tl.maximum(full, lo_full), hi, BLOCK_N):
-        acc, m_i, l_i = _step(
-            acc, m_i, l_i, q, row_scale, start, first, b, kvh, head, t, ctx, seq_len, out_ptr,
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, bias_ptr, num_blocks, softcap_log2,
-            window_left, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn,
-            stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
-            BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL, HAS_BIAS, BIAS_BOOL,
-            WINDOW, SOFTCAP, MASKED=True)
+        acc, m_i, l_i = _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides,
+                              BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL,
+                              HAS_BIAS, BIAS_BOOL, WINDOW, SOFTCAP, MASKED=True)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw no key writes zeros
     out_row = tok * num_q_heads + head
     if SPLITS > 1:
