@@ -1,12 +1,12 @@
-"""Builds pagedfuse._C (C++ CPU kernels, pybind11), pagedfuse._host (the ops' dispatcher kernels,
-linked with libtorch) and, where nvcc and a CUDA build of torch are present,
+"""Builds pagedfuse._C (C++ CPU kernels, pybind11), pagedfuse._host (the ops' dispatcher
+kernels, linked with libtorch) and, where nvcc and a CUDA build of torch are present,
 pagedfuse._cuda_kernels (CUDA C++ kernels with a C ABI, loaded with ctypes).
 
 _C and _cuda_kernels do not link libtorch, so they serve every torch version; _host is built
-against the torch this build imports (the package runs without it, on the Python path). The build switches
-(PAGEDFUSE_CUDA, PAGEDFUSE_CUDA_ARCH, PAGEDFUSE_NVCC_FLAGS) are declared with every other
-PAGEDFUSE_* variable in pagedfuse/envs.py, loaded here by path: the package itself cannot be
-imported before it is built.
+against the torch this build imports (the package runs without it, on the Python path). The
+build switches (PAGEDFUSE_CUDA, PAGEDFUSE_CUDA_ARCH, PAGEDFUSE_NVCC_FLAGS) are declared with
+every other PAGEDFUSE_* variable in pagedfuse/envs.py, loaded here by path: the package itself
+cannot be imported before it is built.
 """
 
 import importlib.util
@@ -122,17 +122,12 @@ class BuildExt(build_ext):
         subprocess.run(cmd, check=True)
 
 
-KERNEL_SOURCES = ["csrc/paged_attention.cpp", "csrc/attention_portable.cpp",
-                  "csrc/attention_avx512.cpp", "csrc/quantize.cpp"]
-KERNEL_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
-
-
 def _host_extension() -> Extension | None:
     """pagedfuse._host (csrc/host): the ops' Autograd, CPU and, with a CUDA torch, CUDA kernels
     in C++, so a call of a signature seen before does not enter Python. It links libtorch,
     hence builds against the torch imported here (none: not built; the ops then run their
-    Python implementation). It carries its own copy of the CPU kernels, which it calls
-    directly; the CUDA ones it calls through the addresses cuda_native.py hands it."""
+    Python implementation). It calls the kernels of _C and _cuda_kernels through the
+    addresses pagedfuse/ops hands it."""
     try:
         import torch
         from torch.utils.cpp_extension import CppExtension
@@ -142,19 +137,24 @@ def _host_extension() -> Extension | None:
               ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))]
     if torch.version.cuda is not None:
         macros.append(("PAGEDFUSE_HOST_CUDA", "1"))
-    return CppExtension("pagedfuse._host", sources=["csrc/host/host.cpp", *KERNEL_SOURCES],
+    return CppExtension("pagedfuse._host", sources=["csrc/host/host.cpp"],
                         include_dirs=["csrc"], define_macros=macros,
-                        extra_compile_args=[*KERNEL_FLAGS, "-std=c++20"],
-                        extra_link_args=["-fopenmp"])
+                        extra_compile_args=["-O3", "-std=c++20"])
 
 
 extensions = [
     Pybind11Extension(
         "pagedfuse._C",
-        sources=["csrc/bindings.cpp", *KERNEL_SOURCES],
+        sources=[
+            "csrc/bindings.cpp",
+            "csrc/paged_attention.cpp",
+            "csrc/attention_portable.cpp",
+            "csrc/attention_avx512.cpp",
+            "csrc/quantize.cpp",
+        ],
         include_dirs=["csrc"],
         cxx_std=17,
-        extra_compile_args=KERNEL_FLAGS,
+        extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=fast"],
         extra_link_args=["-fopenmp"],
     ),
 ]

@@ -53,6 +53,13 @@ PYBIND11_MODULE(_C, m) {
                       reinterpret_cast<int8_t*>(q), reinterpret_cast<float*>(scale), threads);
       },
       "Quantise `rows` contiguous rows of n elements to int8 + float32 scale.");
+  m.def(
+      "kernel_addresses",
+      [] {
+        return py::dict(py::arg("paged_attention") = reinterpret_cast<uintptr_t>(&paged_attention),
+                        py::arg("quantize_rows") = reinterpret_cast<uintptr_t>(&quantize_rows));
+      },
+      "The entry points' addresses, which pagedfuse._host calls without Python.");
   m.def("selected_isa", &selected_isa,
         "The ISA PAGEDFUSE_CPU_ISA (auto | portable | avx512) selects on this CPU.");
   m.def("cpu_has_avx512_vnni", &cpu_has_avx512_vnni);

@@ -45,6 +45,10 @@ using DecodeFused = int (*)(const void* record, void* stream, const void* query,
 using QuantizeFn = int (*)(int device, void* stream, int dtype, const void* x, int8_t* q,
                            float* scale, int64_t rows, int64_t row_len);
 using ErrorString = const char* (*)(int);
+// csrc/paged_attention.cpp's and csrc/quantize.cpp's entry points in pagedfuse._C, likewise.
+using CpuAttention = void (*)(PagedArgs);
+using CpuQuantize = void (*)(const void* x, Dtype dt, int64_t rows, int64_t n, int8_t* q,
+                             float* scale, int threads);
 
 enum class Launcher : int { cpu_attention, cpu_quantize, cuda_decode, cuda_quantize };
 
@@ -60,6 +64,8 @@ struct Entry {
   int dtype = 0;                // quantize: the kernel's dtype code
   DecodeFused decode = nullptr;
   QuantizeFn quantize = nullptr;
+  CpuAttention cpu_attention = nullptr;
+  CpuQuantize cpu_quantize = nullptr;
   ErrorString error_string = nullptr;
 
   Entry() = default;
@@ -243,7 +249,7 @@ void launch_cpu_attention(const Entry& e, c10::ArrayRef<c10::IValue> args, const
   a.query_start_loc = int64_rows(args[p.query_start_loc].toTensor(), starts);
   a.bias = reinterpret_cast<const void*>(address(optional_tensor(args, p.attn_bias)));
   a.threads = at::get_num_threads();
-  paged_attention(a);
+  e.cpu_attention(a);
 }
 
 [[noreturn]] void launch_failed(const Entry& e, int err) {
@@ -281,7 +287,7 @@ std::pair<at::Tensor, at::Tensor> launch_quantize(const Entry& e, const at::Tens
   const int64_t rows = scale.numel(), n = x.size(-1);
   if (e.launcher == Launcher::cpu_quantize) {
     if (rows > 0) {  // rows of length 0 get scale 0
-      quantize_rows(src.const_data_ptr(), static_cast<Dtype>(e.dtype), rows, n,
+      e.cpu_quantize(src.const_data_ptr(), static_cast<Dtype>(e.dtype), rows, n,
                     q.data_ptr<int8_t>(), scale.data_ptr<float>(), at::get_num_threads());
     }
   } else if (q.numel() == 0) {
@@ -315,6 +321,7 @@ std::shared_ptr<const Entry> make_entry(const py::dict& spec) {
   if (launcher == "cpu") {
     e->launcher = Launcher::cpu_attention;
     args_dict::parse_layout(spec["args"].cast<py::dict>(), e->args);
+    e->cpu_attention = function_at<CpuAttention>(spec, "launch");
   } else if (launcher == "cuda_decode") {
     e->launcher = Launcher::cuda_decode;
     const auto bytes = spec["record"].cast<std::string>();
@@ -330,6 +337,8 @@ std::shared_ptr<const Entry> make_entry(const py::dict& spec) {
     if (e->launcher == Launcher::cuda_quantize) {
       e->quantize = function_at<QuantizeFn>(spec, "launch");
       e->error_string = function_at<ErrorString>(spec, "error_string");
+    } else {
+      e->cpu_quantize = function_at<CpuQuantize>(spec, "launch");
     }
   } else {
     TORCH_CHECK(false, "host spec: unknown launcher ", launcher);

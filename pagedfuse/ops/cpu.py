@@ -28,6 +28,12 @@ def _extension():
     return _C
 
 
+def kernel_address(name: str) -> int:
+    """The address of _C's entry point ``name`` (paged_attention, quantize_rows), which the C++
+    host path calls directly."""
+    return _extension().kernel_addresses()[name]
+
+
 def available_isas() -> list[str]:
     """Values of PAGEDFUSE_CPU_ISA this CPU can run (read by the kernels on every call)."""
     return ["portable", "avx512"] if _extension().cpu_has_avx512_vnni() else ["portable"]

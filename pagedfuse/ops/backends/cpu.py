@@ -22,12 +22,15 @@ def host_launch(call: PagedCall) -> dict | None:
     """What the C++ host path (csrc/host) launches this call's signature with: the kernel's
     arguments but pointers (None: the call stays in Python)."""
     args = cpu.signature_args(call)
-    return None if args is None else {"launcher": "cpu", "args": args}
+    if args is None:
+        return None
+    return {"launcher": "cpu", "args": args, "launch": cpu.kernel_address("paged_attention")}
 
 
 def host_quantize(x: torch.Tensor) -> dict:
     """The C++ host path's launch of quantize_int8 for x's signature."""
-    return {"launcher": "cpu_quantize", "dtype": cpu.dtype_code(x)}
+    return {"launcher": "cpu_quantize", "dtype": cpu.dtype_code(x),
+            "launch": cpu.kernel_address("quantize_rows")}
 
 
 BACKEND = register_backend(Backend(
