@@ -143,10 +143,9 @@ def _host_quantize(x: Tensor) -> tuple[tuple[Tensor, Tensor], dict | None]:
     """quantize_int8 for the C++ host path's miss: the result, and the launch its table keeps
     for x's signature where the device's quantize kernel has a C++ launcher."""
     check_quantize_input(x)
-    kernel = quantize_kernel(x.device.type)
-    launch = next((b.host_quantize for b in registry.backends_for(x.device.type)
-                   if b.quantize is kernel), None)
-    return kernel(x), None if launch is None else launch(x)
+    backend = registry.quantize_backend(x.device.type)
+    launch = None if backend is None else backend.host_quantize
+    return quantize_kernel(x.device.type)(x), None if launch is None else launch(x)
 
 
 def _paged_attention_fake(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,

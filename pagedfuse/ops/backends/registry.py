@@ -202,13 +202,19 @@ def choose(call: PagedCall) -> Backend:
     return backend
 
 
+def quantize_backend(device_type: str) -> Backend | None:
+    """The backend whose quantize_int8 kernel runs on ``device_type``: the first of the device
+    that brings one (None: the pure-torch reference runs)."""
+    return next((b for b in backends_for(device_type) if b.quantize), None)
+
+
 def quantize_kernel(device_type: str) -> Quantize:
-    """quantize_int8's kernel on ``device_type``: the first that a backend of the device
-    brings, else the pure-torch reference."""
+    """quantize_int8's kernel on ``device_type``: quantize_backend's, else the pure-torch
+    reference."""
     kernel = _QUANTIZE.get(device_type)
     if kernel is None:
-        kernel = next((b.quantize for b in backends_for(device_type) if b.quantize),
-                      quantize_int8_reference)
+        backend = quantize_backend(device_type)
+        kernel = quantize_int8_reference if backend is None else backend.quantize
         _QUANTIZE[device_type] = kernel
     return kernel
 
