@@ -11,11 +11,12 @@ TMA boxes, see ``tma_unsupported``), and "cp", one partition with cp.async gathe
 size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pages "ws"
 cannot load and "cp" does not cover is declined with the TMA reason. Priority 120, below
 triton_prefill (150) and cudnn_prefill (140): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
-On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run) "cp" was slower than
-triton_prefill's INT8 K kernel: 1.80 ms against 1.60 at B=1, 8K over 8K, and 1.56 against
-1.41 at 2K over 16K, with the same error; "ws" INT8 K took 1.16 ms and 0.952 (issue 22's
-record). The 16-bit and INT8 V kinds and head_dim 64/256 are compiled for sm_90 offline
-(benchmarks/prefill_asm.py --kernel gluon) but have not run on a GPU yet.
+On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run,
+benchmarks/results/prefill_gluon_h200_2026-12-01.json) "cp" was slower than triton_prefill's
+INT8 K kernel: 1.84 ms against 1.61 at B=1, 8K over 8K, and 1.61 against 1.44 at 2K over
+16K, with the same error; "ws" took 1.16 and 0.952 ms. The 16-bit and INT8 V kinds and
+head_dim 64/256 are compiled for sm_90 offline (benchmarks/prefill_asm.py --kernel gluon)
+but have not run on a GPU yet.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
