@@ -13,7 +13,9 @@ the PagedCall), and ``check_values`` where the op runs it (always on the CPU).
 On CUDA the calls are not synchronized inside the timed loop, so the time is the host's
 (the launches queue on the GPU; the context is short so the GPU keeps up). On the CPU the
 kernel runs on the host too, so ``run`` is part of the call; ``op - run`` is the overhead
-(one page of keys there keeps the kernel short). ``--noop`` adds a row per op for a backend
+(one page of keys there keeps the kernel short). A peer row times
+F.scaled_dot_product_attention on the same call with contiguous K/V: PyTorch's own host cost
+for one attention call. ``--noop`` adds a row per op for a backend
 that runs nothing (``noop``, registered for the run at the top priority): the host path
 alone, dispatch, checks, choice and output allocation (on the CPU with check_values, which
 the op runs there on every call; on CUDA without).
@@ -170,6 +172,22 @@ def measure_quantize(device: torch.device, geo: tuple[int, int, int], calls: int
             "op_grad_mode": per_call_us(quantize, device, calls, reps)}
 
 
+def measure_sdpa(device: torch.device, geo: tuple[int, int, int], calls: int,
+                 reps: int) -> dict:
+    """The peer: F.scaled_dot_product_attention on the same decode call with contiguous K/V
+    (enable_gqa), i.e. PyTorch's own host cost for one attention call on this machine."""
+    hq, hkv, d = geo
+    length = LENGTH[device.type]
+    q = torch.randn(BATCH, hq, 1, d, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(BATCH, hkv, length, d, device=device, dtype=torch.bfloat16)
+            for _ in range(2))
+    sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+    with torch.inference_mode():
+        inference = per_call_us(sdpa, device, calls, reps)
+    return {"backend": "torch sdpa (peer)", "op_inference_mode": inference,
+            "op_grad_mode": per_call_us(sdpa, device, calls, reps)}
+
+
 def measure(device: torch.device, calls: int, reps: int, geometries: list[str],
             backends: set[str] | None, noop: bool = False) -> list[dict]:
     if noop:
@@ -190,6 +208,7 @@ def _measure(device: torch.device, calls: int, reps: int, geometries: list[str],
         geo = GEOMETRIES[gname]
         found = [{"kind": kind, **row} for kind in KINDS
                  for row in measure_attention(device, geo, kind, calls, reps, backends)]
+        found.append({"kind": "bf16", **measure_sdpa(device, geo, calls, reps)})
         found.append({"kind": "quantize_int8", **measure_quantize(device, geo, calls, reps)})
         for row in found:
             row = {"device": device.type, "geometry": gname, **row}

@@ -126,24 +126,35 @@ def prefill(record: dict) -> tuple[str, str]:
               f"{' '.join(env['argv'])}`")
     by_case = _timed_by_case(record, ("geometry", "batch", "seq_len", "q_len"))
     peers = ("SDPA cudnn", "SDPA flash", "SDPA efficient", "FlexAttention", "eager gather+SDPA")
+    kinds = {"bf16": ("prefill bf16", "gluon bf16 ws"),
+             "INT8 K": ("prefill INT8 K", "gluon INT8 K ws"),
+             "INT8 K+V": ("prefill INT8 K+V", "gluon INT8 K+V ws")}
     rows = []
     for (geo, batch, seq, q), methods in by_case.items():
         present = [m for m in peers if m in methods]
         best = min(present, key=lambda m: methods[m]["ms"]) if present else None
-        mine = methods.get("prefill bf16")
         cells = [geo, f"{batch}, {seq}, {q}",
-                 f"{best} {_ms(methods[best]['ms'])}" if best else "n/a",
-                 f"{_ms(mine['ms'])} ({mine['tflops']:.0f})" if mine else "n/a",
-                 f"{methods[best]['ms'] / mine['ms']:.2f}x" if best and mine else "n/a"]
-        for kind in ("prefill INT8 K", "prefill INT8 K+V"):
-            r = methods.get(kind)
-            ratio = f" ({mine['ms'] / r['ms']:.2f}x)" if r and mine else ""
-            cells.append(_ms(r["ms"]) + ratio if r else "n/a")
+                 f"{best} {_ms(methods[best]['ms'])}" if best else "n/a"]
+        fastest = {}  # kind -> the faster of the Triton and Gluon kernels' ms
+        for kind, names in kinds.items():
+            times = [methods[n]["ms"] if n in methods else None for n in names]
+            cells.append(" / ".join(_ms(t) if t else "n/a" for t in times))
+            fastest[kind] = min((t for t in times if t), default=None)
+            ratios = []
+            if kind != "bf16" and fastest[kind] and fastest["bf16"]:
+                ratios.append(f"{fastest['bf16'] / fastest[kind]:.2f}x bf16")
+            if fastest[kind] and best:
+                ratios.append(f"{methods[best]['ms'] / fastest[kind]:.2f}x peer")
+            cells.append(", ".join(ratios) or "n/a")
         rows.append(cells)
-    head = ["geometry", "B, L, q", "fastest peer, ms", "prefill bf16, ms (TFLOP/s)",
-            "speed-up over the peer", "INT8 K, ms (speed x bf16)", "INT8 K+V, ms (x bf16)"]
-    note = ("ms per call (do_bench medians); TFLOP/s counts causal pairs; peers: SDPA "
-            "cuDNN/flash/efficient on contiguous K/V, FlexAttention, eager gather + SDPA.")
+    head = ["geometry", "B, L, q", "fastest peer, ms"]
+    for kind in kinds:
+        head += [f"{kind}: Triton / Gluon, ms", f"{kind}: the faster's speed"]
+    note = ("ms per call (do_bench medians) of the Triton prefill kernel (triton_prefill, the "
+            "op's default) and the warp-specialized Gluon kernel (gluon_prefill \"ws\"); "
+            "speed as a multiple of pagedfuse's faster bf16 kernel and of the fastest peer "
+            "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, eager gather + "
+            "SDPA). TFLOP/s for every entry are in the record.")
     mixed = [f"{m['geometry']} {m['kind']}: {_ms(m['mixed'])} against {_ms(m['decode part'])} "
              f"+ {_ms(m['prefill part'])} for its parts ({m['vs_sum']:.2f}x)"
              for m in env.get("mixed", []) if "vs_sum" in m]

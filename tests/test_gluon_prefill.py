@@ -130,6 +130,15 @@ def test_default_plan(gb, q_lens, group, plan):
     assert cp.num_warps == cp.block_m // 16
 
 
+def test_one_warpgroup_tiles_stop_at_head_dim_128(gb):
+    """A decode call's 6 heads fit 64 rows, but at head_dim 256 one consumer's registers do
+    not hold the accumulator: 128 rows there."""
+    for head_dim, rows in ((128, 64), (256, 128)):
+        case = _int8k([1, 1], [10, 10], num_q_heads=24, num_kv_heads=4, head_dim=head_dim)
+        plan = gb.default_plan(case.call(max_query_len=1))
+        assert (plan.block_m, plan.pack) == (rows, 6)
+
+
 @pytest.mark.parametrize(("spec", "ws"), [
     (dict(), True),  # NHD, page 16: a page of a head is a [16, D] box at (row, head * D)
     (dict(layout="HND"), True),  # its page is 16 consecutive rows of a [*, D] view
@@ -187,11 +196,14 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(stages=1), "plan: stages 1 must be >= 2 for pipeline 'ws'"),
     (dict(pipeline="cp", stages=2), "plan: stages 2 must be >= 3 for pipeline 'cp'"),
     (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
+    (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
+                                     "to 128, not 256"),
 ])
 def test_bad_plans_are_refused_by_name(gb, overrides, message):
-    call = _int8k([5, 3], [7, 20]).call()
+    plan = {k: v for k, v in overrides.items() if k != "head_dim"}
+    call = _int8k([5, 3], [7, 20], head_dim=overrides.get("head_dim", 128)).call()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        gb.make_plan(call, **overrides)
+        gb.make_plan(call, **plan)
 
 
 def test_the_backend_imports_without_triton():

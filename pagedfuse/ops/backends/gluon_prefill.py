@@ -11,12 +11,16 @@ TMA boxes, see ``tma_unsupported``), and "cp", one partition with cp.async gathe
 size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pages "ws"
 cannot load and "cp" does not cover is declined with the TMA reason. Priority 120, below
 triton_prefill (150) and cudnn_prefill (140): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
-On the H200 (2026-12-01, llama3_8b 32/8/128, bf16 V, one run,
-benchmarks/results/prefill_gluon_h200_2026-12-01.json) "cp" was slower than triton_prefill's
-INT8 K kernel: 1.84 ms against 1.61 at B=1, 8K over 8K, and 1.61 against 1.44 at 2K over
-16K, with the same error; "ws" took 1.16 and 0.952 ms. The 16-bit and INT8 V kinds and
-head_dim 64/256 are compiled for sm_90 offline (benchmarks/prefill_asm.py --kernel gluon)
-but have not run on a GPU yet.
+
+On the H200 (bench_prefill.py, benchmarks/results/prefill_h200_2026-12-02.json, the table in
+benchmarks/README.md) "ws" INT8 K is the fastest INT8 prefill at head_dim 128 and 256: 0.60-0.96x
+triton_prefill's INT8 K time from q_len 64 up (qwen35 8K over 8K: 1.30 ms, 632 TOP/s). Its
+16-bit kernel takes 0.85-0.96x triton_prefill's bf16 time at head_dim 64 and 128 from q_len
+512 up (up to 2x more below that at 64) and 0.97-1.03x at 256; its INT8 K+V kernel is slower
+than triton_prefill's except at head_dim 256 (0.86-0.96x from q_len 64 up). It stays
+opt-in because its grid packs heads per call (``default_plan`` sizes tiles by the longest
+query): the decode rows of a mixed batch would each take a whole tile of one head, where
+triton_prefill launches short sequences apart, and that case has not been measured.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
@@ -57,6 +61,10 @@ WS_TILES = {
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
+# registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
+# sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
+MAX_HEAD_DIM_64_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +101,15 @@ class GluonPlan:
 
 def default_plan(call: PagedCall) -> GluonPlan:
     """128-row tiles for long queries; shorter ones pack heads of the GQA group into the
-    rows (any divisor of the group) and take 64 rows once that holds the longest query.
+    rows (any divisor of the group) and take 64 rows once that holds the longest query (up
+    to MAX_HEAD_DIM_64_ROWS).
     The "ws" kernel with WS_TILES' keys and buffers wherever the cache allows its TMA boxes,
     else "cp" (for a call "cp" does not run, ``call_unsupported`` says why)."""
     group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
     block_n, stages = _ws_tiles(call)
-    plan = GluonPlan(block_m=64 if pack * queries <= 64 else 128, pack=pack, block_n=block_n,
+    one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
+    plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages)
     if tma_unsupported(call, plan.block_n):
         plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3)
@@ -174,6 +184,11 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: {why}")
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan: block_m {plan.block_m} not in {BLOCK_MS}")
+    if (plan.pipeline == "ws" and plan.block_m == 64
+            and call.geometry.head_dim > MAX_HEAD_DIM_64_ROWS):
+        raise ValueError(f"plan: block_m 64 with pipeline 'ws' runs head_dim up to "
+                         f"{MAX_HEAD_DIM_64_ROWS}, not {call.geometry.head_dim} (one "
+                         "consumer's registers do not hold its accumulator)")
     if plan.block_n not in BLOCK_NS:
         raise ValueError(f"plan: block_n {plan.block_n} not in {BLOCK_NS}")
     if plan.pack < 1 or call.geometry.group % plan.pack or plan.pack > plan.block_m:

@@ -8,7 +8,7 @@ import functools
 from typing import NamedTuple
 
 import torch
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from pagedfuse import envs
 from pagedfuse.ops import cuda
@@ -21,6 +21,10 @@ from pagedfuse.ops.triton_quantize import quantize_int8
 HEAD_DIMS = frozenset({64, 128, 256})  # tl.arange needs a power of two; these are tested
 MIN_ROWS = 16  # tl.dot needs M >= 16: the group's heads are padded up to it
 MAX_ROWS = 64  # q_len > 1: query tokens per tile, times the padded group
+# fp32 accumulator registers a thread holds at most: the warps grow with block_m x head_dim.
+# At 64 rows x 256 dims, 4 warps hold 128 each, and for sm_90 ptxas spilled 14-20 KB or
+# failed to allocate registers at all; 8 warps spill about 3.5 KB.
+ACC_REGS = 64
 
 
 def launch_config(int8_k: bool) -> LaunchConfig:
@@ -57,6 +61,9 @@ def launch_plan(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: 
     q_bound = max_query_len if max_query_len is not None else num_tokens
     qt = 1 if q_bound <= 1 else min(next_power_of_2(q_bound), max(1, MAX_ROWS // group_pad))
     block_m = max(MIN_ROWS, qt * group_pad)  # padding rows: qt >= every q_len, so masked
+    warps = block_m * head_dim // (32 * ACC_REGS)
+    if warps > config.num_warps:
+        config = config._replace(num_warps=warps)
     splits = cuda.num_kv_splits(batch, num_kv_heads, head_dim, context, sm_count, config)
     return TritonPlan(group, group_pad, qt, block_m, splits, q_bound <= 1, config, pdl)
 
@@ -80,15 +87,17 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
 
 # The launch config each kernel specialisation runs with where its plan needs more shared
 # memory than the GPU has (head_dim 256 with several query rows per tile; INT8 V at head_dim
-# 128 and up, whose V tile is transposed through shared memory): found by launching, as
-# ptxas decides the bytes and GPUs differ (232 KB per block on the H200, 163 KB on an A100).
+# 128 and up, whose V tile is transposed through shared memory) or more registers than
+# ptxas can allocate: found by launching, as ptxas decides and GPUs differ (232 KB of shared
+# memory per block on the H200, 163 KB on an A100).
 _FITTED: dict[tuple, LaunchConfig] = {}
 
 
 def _smaller(config: LaunchConfig) -> LaunchConfig | None:
-    """The next config to try after ``config`` ran out of shared memory: one pipeline stage,
-    then half the keys per tile, down to 16 (None: nothing smaller). The splits' chunks are
-    rounded to the kernel's own BLOCK_N, so the plan's split count stays valid."""
+    """The next config to try after ``config`` ran out of shared memory or registers: one
+    pipeline stage, then half the keys per tile, down to 16 (None: nothing smaller). The
+    splits' chunks are rounded to the kernel's own BLOCK_N, so the plan's split count stays
+    valid."""
     if config.num_stages > 1:
         return config._replace(num_stages=1)
     if config.block_n > 16:
@@ -156,7 +165,7 @@ def run(call: PagedCall, out: torch.Tensor, plan: TritonPlan | None = None) -> N
                 *args, **constexprs, BLOCK_N=config.block_n, num_warps=config.num_warps,
                 num_stages=config.num_stages)
             break
-        except OutOfResources:
+        except (OutOfResources, PTXASError):
             config = _smaller(config)
             if config is None:
                 raise
