@@ -230,6 +230,34 @@ def fidelity(record: dict) -> tuple[str, str]:
     return ran_on, partial + table(head, rows) + ("\n\n" + "\n".join(checks) if checks else "")
 
 
+def pv_precision(record: dict) -> tuple[str, str]:
+    """The INT8 K+V decode's P·V variants (decode_p_precision.py): error on random data per
+    geometry, on a trained model's captured decode calls, and the decode perplexity."""
+    ran_on = (f"{record['machine']}, torch {record['torch']}, Python {record['python']}; "
+              + "; ".join(f"`{c}`" for c in record["commands"]))
+    random = record.get("random", [])
+    geos = [tuple(r["geometry"]) for r in random]
+    captured = record.get("capture", {}).get("vs_dequant", {})
+    runs = {name: run for config in record.get("fidelity", {}).values()
+            for name, run in config.items() if "vs_dequant_decode" in run}
+    variants = list(dict.fromkeys([*captured, *(k for r in random for k in r
+                                               if k not in ("geometry", "B", "L")), *runs]))
+    rows = []
+    for name in variants:
+        cap, run = captured.get(name), runs.get(name)
+        rows.append([name, " / ".join(f"{r[name]:.2e}" if name in r else "-" for r in random),
+                     f"{cap['rel_err']:.4f}" if cap else "-",
+                     f"{cap['mass_bias']:+.2e}" if cap and "mass_bias" in cap else "-",
+                     f"{run['vs_dequant_decode']:+.3%} ({run['std_error_decode']:.3%})"
+                     if run else "-"])
+    head = ["variant", "random data rel. err (" + " / ".join(f"{g[0]}/{g[1]}/{g[2]}"
+                                                             for g in geos) + ")",
+            "captured calls: rel. err vs dequantize", "attention-mass bias",
+            "decode perplexity vs dequantize (paired s.e.)"]
+    notes = record.get("notes")
+    return ran_on, table(head, rows) + (f"\n\nNote: {notes}" if notes else "")
+
+
 def library_prefill(record: dict) -> tuple[str, str]:
     """Our prefill kernel against cuDNN's paged SDPA (the opt-in backend) per case, beside
     the fastest contiguous SDPA, and the checks that decide whether a library is taken."""
@@ -318,6 +346,8 @@ SUMMARIES = (
             compile_time, lambda r: r["date"]),
     Summary("Fidelity of a trained model (SmolLM2-135M)", "bench_fidelity.py",
             "fidelity-*.json", fidelity, lambda r: r["date"], group=lambda r: r["device"]),
+    Summary("P·V precision of the INT8 K+V decode", "decode_p_precision.py",
+            "pv_precision.json", pv_precision, lambda r: r["date"]),
 )
 
 
