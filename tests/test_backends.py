@@ -4,6 +4,7 @@ registered by a test that is chosen, reported and conformance-tested."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -92,7 +93,10 @@ def test_support_report_from_fake_tensors():
                     reason="no CUDA backends registered (Triton is not installed)")
 def test_support_report_for_cuda_from_fake_tensors():
     """On fake CUDA tensors (no GPU needed): the decode kernel needs a q_len bound of 1,
-    neither CUDA backend has head_dim 96."""
+    the Gluon prefill defers on 4-token queries, no CUDA backend has head_dim 96, and a CPU
+    build (no device to ask) has the prefill kernels name that."""
+    from pagedfuse.ops.prefill_plan import NO_CUDA
+
     with FakeTensorMode():
         query = torch.empty(4, 32, 128, dtype=torch.bfloat16, device="cuda")
         cache = torch.empty(100, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -106,13 +110,37 @@ def test_support_report_for_cuda_from_fake_tensors():
         unhinted = backends.support_report(FLOAT_OP, query, cache, cache, table, lens, starts)
         odd = backends.support_report(FLOAT_OP, narrow, narrow_cache, narrow_cache, table, lens,
                                       starts, max_query_len=1)
-    assert list(hinted.reasons) == ["cuda_decode", "triton"]
-    built = torch.cuda.is_available()
-    assert hinted.chosen == ("cuda_decode" if built else "triton")
-    assert str(unhinted) == "would run triton; cuda_decode: more than one query token per " \
-                            "sequence"
-    assert str(odd) == "no backend on cuda takes this call: cuda_decode: head_dim 96 not in " \
-                       "{64, 128, 256}; triton: head_dim 96 not in {64, 128, 256}"
+    asked = [n for n in hinted.reasons if n != "cudnn_prefill"]  # where cuDNN's is installed
+    assert asked == ["cuda_decode", "gluon_prefill", "triton_prefill", "triton"]
+    assert unhinted.reasons["cuda_decode"] == "more than one query token per sequence"
+    if torch.cuda.is_available():
+        assert hinted.chosen == "cuda_decode" and unhinted.chosen == "triton_prefill"
+        if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon kernel runs
+            assert unhinted.reasons["gluon_prefill"].startswith(
+                "defers: queries of up to 4 tokens: it measured faster from 64")
+    else:
+        assert hinted.chosen == unhinted.chosen == "triton"
+        assert unhinted.reasons["gluon_prefill"] == unhinted.reasons["triton_prefill"] == NO_CUDA
+    assert str(odd) == ("no backend on cuda takes this call: " + "; ".join(
+        f"{n}: head_dim 96 not in {{64, 128, 256}}" for n in odd.reasons))
+
+
+def test_a_deferring_backend_is_passed_over_by_the_choice_but_runs_when_forced(monkeypatch):
+    """``defers``: the op's own choice asks the next backend, the report says why, and
+    PAGEDFUSE_BACKEND still runs it."""
+    slower = dataclasses.replace(toy_backend.TOY, name="toy_defers", defers=lambda call: (
+        "measured slower on batches" if call.geometry.batch > 1 else None))
+    pair, single = make_case(seq_lens=(37, 20)), make_case(seq_lens=(37,))
+    toy_backend.runs.clear()
+    with registered(slower):
+        assert backends.choose(single.call(max_query_len=1)) is slower
+        assert backends.choose(pair.call(max_query_len=1)).name == "cpu"
+        assert str(_report(pair, max_query_len=1)) == \
+            "would run cpu; toy_defers: defers: measured slower on batches"
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", "toy_defers")
+        out = pair.run_op(max_query_len=1)
+        assert len(toy_backend.runs) == 1
+        assert numerics.rel_err(out, pair.reference()) <= numerics.KERNEL_RTOL[torch.float32]
 
 
 def test_toy_backend_is_chosen_reported_and_conformance_tested(monkeypatch):

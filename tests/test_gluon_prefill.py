@@ -130,6 +130,30 @@ def test_default_plan(gb, q_lens, group, plan):
     assert cp.num_warps == cp.block_m // 16
 
 
+@pytest.mark.parametrize(("q_lens", "spec", "hint", "why"), [
+    ([2048], {}, None, None),  # one sequence: its query is the longest
+    ([512, 512], {}, 512, None),  # 1024 tokens = 2 x 512: every query is 512 long
+    ([512, 512], {}, None, "1024 tokens in 2 sequences of up to 1024: the query lengths "
+                           "may differ"),  # no hint: the bound is every token
+    ([512, 100], {}, 512, "612 tokens in 2 sequences of up to 512"),  # a mixed batch
+    ([32, 32], {}, 32, "queries of up to 32 tokens: it measured faster from 64 (int8_k, "
+                       "head_dim 128)"),
+    ([512], dict(head_dim=64), None, "int8_k at head_dim 64: triton_prefill measured as "
+                                     "fast or faster"),
+    ([256], dict(kind="float", head_dim=64), None, "queries of up to 256 tokens: it "
+                                                  "measured faster from 512"),
+    ([512], dict(kind="float", head_dim=64), None, None),
+    ([64], dict(kind="int8_kv", head_dim=256), None, None),
+    ([64], dict(kind="int8_kv"), None, "int8_kv at head_dim 128: triton_prefill measured"),
+])
+def test_the_ops_choice_takes_it_where_it_measured_faster(gb, q_lens, spec, hint, why):
+    """FASTER_FROM by cache kind and head_dim, and only where the sizes prove every query
+    the longest (else a short one would take a whole tile)."""
+    call = _int8k(q_lens, [100] * len(q_lens), **spec).call(max_query_len=hint)
+    got = gb.defers(call)
+    assert got is None if why is None else got.startswith(why), got
+
+
 def test_one_warpgroup_tiles_stop_at_head_dim_128(gb):
     """A decode call's 6 heads fit 64 rows, but at head_dim 256 one consumer's registers do
     not hold the accumulator: 128 rows there."""

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from pagedfuse.ops.call import PagedCall, next_power_of_2
+from pagedfuse.ops.prefill_plan import NO_CUDA, capability
 
 Tensor = torch.Tensor
 
@@ -80,11 +81,6 @@ def _import_reason() -> str | None:
     return None
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def unsupported(call: PagedCall) -> str | None:
     """Why cuDNN cannot compute ``call`` exactly as the op defines it (None: it can). Reads
     shapes, dtypes, the device and the hints only."""
@@ -105,7 +101,9 @@ def unsupported(call: PagedCall) -> str | None:
         return "more query elements than int32 ragged offsets address"
     if call.device.type != "cuda":
         return f"device {call.device.type}: cuDNN runs on CUDA"
-    if _capability(call.device) < (9, 0):
+    if (cap := capability(call.device)) is None:
+        return NO_CUDA
+    if cap < (9, 0):
         return "needs compute capability 9.0 (ragged queries with paged caches)"
     return _import_reason()
 

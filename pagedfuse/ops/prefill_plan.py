@@ -144,8 +144,15 @@ def _triton_installed() -> bool:
 
 
 @functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability; None where this torch has no CUDA (a support report
+    on fake CUDA tensors in a CPU build), which the kernels' checks then name."""
+    if not torch.cuda.is_available():
+        return None
     return torch.cuda.get_device_capability(device)
+
+
+NO_CUDA = "no CUDA device here to ask for its compute capability"
 
 
 @functools.cache
@@ -163,8 +170,12 @@ def prefill_unsupported(call: PagedCall) -> str | None:
         return "Triton is not installed"
     if call.device.type != "cuda" and not INTERPRET:
         return f"device {call.device.type}: the prefill kernels are Triton on CUDA"
-    if call.device.type == "cuda" and _capability(call.device) < (8, 0):
-        return "needs compute capability 8.0 or newer"
+    if call.device.type == "cuda":
+        cap = capability(call.device)
+        if cap is None:
+            return NO_CUDA
+        if cap < (8, 0):
+            return "needs compute capability 8.0 or newer"
     if call.query.dtype not in (torch.bfloat16, torch.float16):
         return f"query dtype {call.query.dtype}: the prefill kernels take bf16 or fp16"
     if not call.scale > 0:

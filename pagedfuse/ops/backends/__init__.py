@@ -5,7 +5,8 @@ below (see registry.py for the contract). Built in: ``reference`` (pure torch, a
 ``cpu`` (the C++ kernels), and where Triton is installed ``triton``, ``triton_prefill`` (q_len
 > 1) and ``cuda_decode`` (the CUDA C++ decode, which launches its own query quantization
 and split combine, and falls back on Triton's quantize where its library does not run);
-``gluon_prefill`` (an INT8 K prefill in Gluon, sm_90, opt-in); ``cudnn_prefill`` (cuDNN's
+``gluon_prefill`` (the Gluon prefill, sm_90, for the calls where it measured faster);
+``cudnn_prefill`` (cuDNN's
 paged SDPA, q_len > 1) where the optional ``nvidia-cudnn-frontend`` is installed too.
 """
 

@@ -9,18 +9,20 @@ Two pipelines (``GluonPlan.pipeline``): "ws", warp-specialized with TMA loads of
 (FlashAttention-3's structure; the default wherever the cache's page size and strides allow
 TMA boxes, see ``tma_unsupported``), and "cp", one partition with cp.async gathers (any page
 size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pages "ws"
-cannot load and "cp" does not cover is declined with the TMA reason. Priority 120, below
-triton_prefill (150) and cudnn_prefill (140): opt-in through PAGEDFUSE_BACKEND=gluon_prefill.
+cannot load and "cp" does not cover is declined with the TMA reason.
 
-On the H200 (bench_prefill.py, benchmarks/results/prefill_h200_2026-12-02.json, the table in
-benchmarks/README.md) "ws" INT8 K is the fastest INT8 prefill at head_dim 128 and 256: 0.60-0.96x
-triton_prefill's INT8 K time from q_len 64 up (qwen35 8K over 8K: 1.30 ms, 632 TOP/s). Its
-16-bit kernel takes 0.85-0.96x triton_prefill's bf16 time at head_dim 64 and 128 from q_len
-512 up (up to 2x more below that at 64) and 0.97-1.03x at 256; its INT8 K+V kernel is slower
-than triton_prefill's except at head_dim 256 (0.86-0.96x from q_len 64 up). It stays
-opt-in because its grid packs heads per call (``default_plan`` sizes tiles by the longest
-query): the decode rows of a mixed batch would each take a whole tile of one head, where
-triton_prefill launches short sequences apart, and that case has not been measured.
+Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
+measured faster (``defers``, ``FASTER_FROM``): on the H200 (bench_prefill.py,
+benchmarks/results/prefill_h200_2026-12-02.json, the table in benchmarks/README.md) "ws" took
+0.60-0.96x triton_prefill's time for INT8 K at head_dim 128 and 256 from q_len 64 up (qwen35
+8K over 8K: 1.30 ms, 632 TOP/s), 0.85-0.96x for 16-bit K/V at head_dim 128 from q_len 64 up
+and at 64 from 512 up, and 0.86-0.96x for INT8 K+V at head_dim 256 from 64 up; elsewhere it
+was slower or even. Those runs had every sequence's query of one length, and the grid sizes
+its tiles by the longest (``default_plan``): a short sequence in a longer one's batch would
+take a whole tile of one head, where triton_prefill launches short sequences apart. So it
+takes a call only where the sizes prove the lengths equal (num_tokens = batch x
+max_query_len, or one sequence), without reading a length. PAGEDFUSE_BACKEND=gluon_prefill
+runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
@@ -37,7 +39,7 @@ import torch
 
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
-from pagedfuse.ops.prefill_plan import prefill_unsupported
+from pagedfuse.ops.prefill_plan import NO_CUDA, capability, prefill_unsupported
 
 NAME = "gluon_prefill"
 HEAD_DIMS = frozenset((64, 128, 256))
@@ -61,6 +63,11 @@ WS_TILES = {
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# The shortest query from which "ws" measured faster than triton_prefill on the H200
+# (2026-12-02), by (call.kind, head_dim); a kind and head_dim not listed stays with
+# triton_prefill
+FASTER_FROM = {("int8_k", 128): 64, ("int8_k", 256): 64, ("float", 128): 64,
+               ("float", 64): 512, ("int8_kv", 256): 64}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -209,11 +216,6 @@ def _gluon_installed() -> bool:
         return False
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def call_unsupported(call: PagedCall) -> str | None:
     """Why the kernels cannot run ``call``, from the call alone (no device query): what they
     do not implement. (16-bit caches are in the query's dtype: validate checks that.)"""
@@ -238,9 +240,30 @@ def supports(call: PagedCall) -> str | None:
         return f"device {call.device.type}: Gluon kernels run on CUDA only (no interpreter)"
     if not _gluon_installed():
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if (cap := _capability(call.device)) != (9, 0):
+    if (cap := capability(call.device)) is None:
+        return NO_CUDA
+    if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: the kernel's wgmma needs 9.0 (Hopper)"
     return prefill_unsupported(call) or call_unsupported(call)
+
+
+def defers(call: PagedCall) -> str | None:
+    """Why the op's own choice leaves ``call`` to triton_prefill (FASTER_FROM, equal query
+    lengths), or None."""
+    g, kind = call.geometry, call.kind
+    shortest = FASTER_FROM.get((kind, g.head_dim))
+    if shortest is None:
+        return f"{kind} at head_dim {g.head_dim}: triton_prefill measured as fast or faster"
+    bound = call.query_bound
+    if not all(isinstance(n, int) for n in (bound, g.num_tokens, g.batch)):
+        return "query sizes are dynamic: equal query lengths cannot be shown"
+    if bound < shortest:
+        return (f"queries of up to {bound} tokens: it measured faster from {shortest} "
+                f"({kind}, head_dim {g.head_dim})")
+    if g.batch > 1 and g.num_tokens != g.batch * bound:
+        return (f"{g.num_tokens} tokens in {g.batch} sequences of up to {bound}: the query "
+                "lengths may differ, and a short one would take a whole tile of one head")
+    return None
 
 
 def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
@@ -253,5 +276,5 @@ def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
 
 
 BACKEND = register_backend(Backend(
-    name=NAME, device="cuda", priority=120, head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS},
-    supports=supports, run=run, make_plan=make_plan))
+    name=NAME, device="cuda", priority=160, head_dims={FLOAT_OP: HEAD_DIMS, INT8_OP: HEAD_DIMS},
+    supports=supports, run=run, make_plan=make_plan, defers=defers))

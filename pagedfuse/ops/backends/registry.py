@@ -51,6 +51,9 @@ class Backend:
     ``host_launch(call)`` / ``host_quantize(x)``: the launch spec the C++ host path
     (csrc/host/host.cpp) keeps for the signature of a call ``run`` / ``quantize`` served, or
     None to leave such calls to Python; a backend without them always runs in Python.
+    ``defers(call)``: why the op's own choice asks the next backend first for a call this one
+    can run (a measured speed rule, from metadata only), or None to take it; a backend named
+    by PAGEDFUSE_BACKEND runs every call it supports.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Backend:
     quantize: Quantize | None = None
     host_launch: Callable[[PagedCall], dict | None] | None = None
     host_quantize: Callable[[torch.Tensor], dict | None] | None = None
+    defers: Supports | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -171,6 +175,15 @@ def reason(backend: Backend, call: PagedCall) -> str | None:
     return backend.supports(call)
 
 
+def passed_over(backend: Backend, call: PagedCall) -> str | None:
+    """Why the op's own choice does not take ``backend`` for ``call``: ``reason``, or what
+    its ``defers`` says (None: it takes the call)."""
+    why = reason(backend, call)
+    if why is None and backend.defers is not None and (later := backend.defers(call)):
+        return f"defers: {later}"
+    return why
+
+
 def _choose(call: PagedCall, forced: str | None) -> Backend:
     if forced is not None:
         backend = get_backend(forced)
@@ -180,7 +193,7 @@ def _choose(call: PagedCall, forced: str | None) -> Backend:
         return backend
     reasons = []
     for backend in backends_for(call.device.type):
-        why = reason(backend, call)
+        why = passed_over(backend, call)
         if why is None:
             return backend
         reasons.append(f"{backend.name}: {why}")
@@ -247,4 +260,4 @@ class SupportReport:
 def report_for(call: PagedCall) -> SupportReport:
     """The SupportReport of a call (real or fake tensors), ignoring PAGEDFUSE_BACKEND."""
     device = call.device.type
-    return SupportReport(device, {b.name: reason(b, call) for b in backends_for(device)})
+    return SupportReport(device, {b.name: passed_over(b, call) for b in backends_for(device)})
