@@ -18,6 +18,7 @@ quantization's own share).
 
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
+    python benchmarks/bench_prefill.py --gluon-sweep --json tiles.json  # the Gluon "ws" tiles
     python benchmarks/bench_prefill.py --replot out.json --plot prefill.png   # no GPU
     python benchmarks/bench_prefill.py --no-flex --no-mixed --methods "prefill INT8 K" \
         "gluon INT8 K ws" "gluon INT8 K cp"   # only these entries
@@ -54,6 +55,7 @@ GEOMETRIES = {"qwen35": (24, 4, 256), "llama3_8b": (32, 8, 128), "tinyllama": (3
 CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16, 4096, 64),
          (64, 8192, 4))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
+GLUON_SWEEP_CASES = ((1, 8192, 8192), (8, 2048, 2048))  # long tiles, and short ones
 SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the unhinted op
 SHORT_CASE = (64, 8192, 4)
 # the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
@@ -455,6 +457,42 @@ def run_sweep(args) -> list[dict]:
     return rows
 
 
+def run_gluon_sweep(args) -> list[dict]:
+    """Time the Gluon "ws" kernel's keys per tile x buffers (the choices behind
+    backends/gluon_prefill.WS_TILES) per geometry and cache kind; a plan whose buffers
+    exceed the shared memory records the compiler's error."""
+    from pagedfuse.ops.backends import gluon_prefill as gb
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    rows = []
+    deadline = time.time() + args.budget
+    for gname in args.geometries:
+        for batch, seq_len, q_len in GLUON_SWEEP_CASES:
+            case = Case(GEOMETRIES[gname], batch, seq_len, q_len, light=True)
+            out = torch.empty_like(case.q)
+            for kind in args.kinds:
+                call = case.call(kind)
+                for block_n in gb.BLOCK_NS:
+                    for stages in range(2, 6):
+                        if time.time() > deadline:
+                            break
+                        row = {"geometry": gname, "geo": list(case.geo), "batch": batch,
+                               "seq_len": seq_len, "q_len": q_len, "kind": kind,
+                               "block_n": block_n, "stages": stages}
+                        try:
+                            plan = gb.make_plan(call, block_n=block_n, stages=stages)
+                            row["ms"] = bench_ms(
+                                lambda p=plan, c=call, o=out: prefill_into(c, o, p))
+                            row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
+                        except Exception as exc:  # no such plan, or out of shared memory
+                            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_short_sweep(args) -> list[dict]:
     """Time the short-query launch choices (keys per step, stages, key splits) at
     SHORT_CASE, with the default packing (the whole GQA group in 64 rows)."""
@@ -643,6 +681,8 @@ def main() -> None:
     ap.add_argument("--plot", help="write a bar chart of TFLOP/s here")
     ap.add_argument("--replot", help="read rows from this JSON instead of running (no GPU)")
     ap.add_argument("--sweep", action="store_true", help="time the candidate plans")
+    ap.add_argument("--gluon-sweep", action="store_true",
+                    help="time the Gluon kernel's tiles (keys per step x buffers)")
     ap.add_argument("--plans", help="a sweep's JSON: run with its best plan per geometry/kind")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES))
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
@@ -681,7 +721,9 @@ def main() -> None:
         plans = best_plans(json.loads(Path(args.plans).read_text())["rows"])
         print("tile shapes (block_m, block_n, warps, stages):",
               {f"{g} {k}": p for (g, k), p in plans.items()}, flush=True)
-    if args.sweep:
+    if args.gluon_sweep:
+        rows = run_gluon_sweep(args)
+    elif args.sweep:
         jobs = [(GEOMETRIES[g], *c, kind, "half", shape, {}) for g in args.geometries
                 for c in SWEEP_CASES for kind in args.kinds
                 for shape in sweep_shapes(GEOMETRIES[g][2])]
@@ -707,7 +749,7 @@ def main() -> None:
             print("could not read the compiled kernels:", exc)
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    if args.plot and not args.sweep:
+    if args.plot and not (args.sweep or args.gluon_sweep):
         plot(rows, args.plot)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ def prefill(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN "
               f"{env['cudnn']}, Python {env['python']}; `bench_prefill.py "
-              f"{' '.join(env['argv'])}`")
+              f"{shlex.join(env['argv'])}`")
     by_case = _timed_by_case(record, ("geometry", "batch", "seq_len", "q_len"))
     peers = ("SDPA cudnn", "SDPA flash", "SDPA efficient", "FlexAttention", "eager gather+SDPA")
     kinds = {"bf16": ("prefill bf16", "gluon bf16 ws"),
@@ -162,6 +163,30 @@ def prefill(record: dict) -> tuple[str, str]:
         note += (" Mixed batch (decode rows and prompt chunks in one call), ms: "
                  + "; ".join(mixed) + ".")
     return ran_on, note + "\n\n" + table(head, rows)
+
+
+def gluon_tiles(record: dict) -> tuple[str, str]:
+    """Each tile (keys per step / buffers) the Gluon "ws" kernel ran, per case and kind; the
+    fastest in bold."""
+    env = record["env"]
+    ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}; "
+              + (f"`bench_prefill.py {shlex.join(env['argv'])}`" if "argv" in env
+                 else env["how"]))
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in record["rows"]:
+        if "ms" in r:
+            key = (r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"])
+            cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}"] = r["ms"]
+    rows = []
+    for key, times in cells.items():
+        best = min(times, key=times.get)
+        rows.append([*key, ", ".join(f"**{t}: {_ms(ms)}**" if t == best else f"{t}: {_ms(ms)}"
+                                     for t, ms in times.items())])
+    note = ("ms per call (do_bench medians, the query's quantization included) by keys per "
+            "tile / buffers; backends/gluon_prefill.py's WS_TILES takes the fastest per cache "
+            "kind and head_dim.")
+    return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "keys / buffers: ms"],
+                                          rows)
 
 
 def window(record: dict) -> tuple[str, str]:
@@ -264,7 +289,7 @@ def library_prefill(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN frontend "
               f"{env['cudnn_frontend']} (backend {env['cudnn_backend']}), Python "
-              f"{env['python']}; `bench_library_prefill.py {' '.join(env['argv'])}`")
+              f"{env['python']}; `bench_library_prefill.py {shlex.join(env['argv'])}`")
     by_case = _timed_by_case(record, ("geometry", "case"))
     rows = []
     for (geo, case), methods in by_case.items():
@@ -331,6 +356,8 @@ SUMMARIES = (
             lambda r: r["env"]["date"]),
     Summary("GPU prefill", "bench_prefill.py", "prefill_h200_*.json", prefill,
             lambda r: r["env"]["date"], skip=("_pv_int8",)),
+    Summary("Gluon prefill tiles", "bench_prefill.py --gluon-sweep", "gluon_tiles_*.json",
+            gluon_tiles, lambda r: r["env"]["date"]),
     Summary("Library kernels for prefill", "bench_library_prefill.py",
             "library_prefill_*.json", library_prefill, lambda r: r["env"]["date"],
             skip=("_host",)),

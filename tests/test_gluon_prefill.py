@@ -83,15 +83,17 @@ def test_other_head_dims_are_declined(gb):
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
-    """One kernel for every cache kind: the default plan is "ws" with the kind's tiles
-    (head_dim 256: 64-key tiles; 16-bit K at 128 and 256: two buffers, the rest three),
+    """One kernel for every cache kind: the default plan is "ws" with the kind's tiles (the
+    fastest measured: four buffers of 64 keys for 16-bit K/V at head_dim 128, of 32 at 256),
     served for both ops."""
     call = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim).call()
     assert gb.call_unsupported(call) is None
     plan = gb.default_plan(call)
     assert (plan.pipeline, plan.block_m, plan.pack) == ("ws", 128, 1)
-    want = {64: (128, 3), 128: (128, 2 if kind == "float" else 3),
-            256: (64, 2 if kind == "float" else 3)}[head_dim]
+    want = {(64, "float"): (128, 4), (64, "int8_k"): (128, 4), (64, "int8_kv"): (64, 5),
+            (128, "float"): (64, 4), (128, "int8_k"): (128, 4), (128, "int8_kv"): (64, 4),
+            (256, "float"): (32, 4), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
+    want = want[head_dim, kind]
     assert (plan.block_n, plan.stages) == want
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
@@ -136,15 +138,20 @@ def test_default_plan(gb, q_lens, group, plan):
     ([512, 512], {}, None, "1024 tokens in 2 sequences of up to 1024: the query lengths "
                            "may differ"),  # no hint: the bound is every token
     ([512, 100], {}, 512, "612 tokens in 2 sequences of up to 512"),  # a mixed batch
-    ([32, 32], {}, 32, "queries of up to 32 tokens: it measured faster from 64 (int8_k, "
-                       "head_dim 128)"),
-    ([512], dict(head_dim=64), None, "int8_k at head_dim 64: triton_prefill measured as "
-                                     "fast or faster"),
+    ([256, 256], {}, 256, "queries of up to 256 tokens: it measured faster from 512 "
+                          "(int8_k, head_dim 128)"),
+    ([4, 4], dict(kind="float"), 4, None),
+    ([2048], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
+                                                      "triton_prefill measured as fast or "
+                                                      "faster"),
+    ([512], dict(head_dim=64), None, None),
     ([256], dict(kind="float", head_dim=64), None, "queries of up to 256 tokens: it "
                                                   "measured faster from 512"),
     ([512], dict(kind="float", head_dim=64), None, None),
     ([64], dict(kind="int8_kv", head_dim=256), None, None),
-    ([64], dict(kind="int8_kv"), None, "int8_kv at head_dim 128: triton_prefill measured"),
+    ([32], dict(kind="int8_kv"), None, "queries of up to 32 tokens: it measured faster from "
+                                       "64 (int8_kv, head_dim 128)"),
+    ([512], dict(kind="float", head_dim=256), None, None),
 ])
 def test_the_ops_choice_takes_it_where_it_measured_faster(gb, q_lens, spec, hint, why):
     """FASTER_FROM by cache kind and head_dim, and only where the sizes prove every query
@@ -215,7 +222,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(block_m=32), "plan: block_m 32 not in (64, 128)"),
-    (dict(block_n=256), "plan: block_n 256 not in (64, 128)"),
+    (dict(block_n=256), "plan: block_n 256 not in (32, 64, 128)"),
     (dict(pack=3), "plan: pack 3 must divide the GQA group 4"),
     (dict(stages=1), "plan: stages 1 must be >= 2 for pipeline 'ws'"),
     (dict(pipeline="cp", stages=2), "plan: stages 2 must be >= 3 for pipeline 'cp'"),

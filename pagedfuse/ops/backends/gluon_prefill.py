@@ -13,11 +13,11 @@ cannot load and "cp" does not cover is declined with the TMA reason.
 
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
 measured faster (``defers``, ``FASTER_FROM``): on the H200 (bench_prefill.py,
-benchmarks/results/prefill_h200_2026-12-02.json, the table in benchmarks/README.md) "ws" took
-0.60-0.96x triton_prefill's time for INT8 K at head_dim 128 and 256 from q_len 64 up (qwen35
-8K over 8K: 1.30 ms, 632 TOP/s), 0.85-0.96x for 16-bit K/V at head_dim 128 from q_len 64 up
-and at 64 from 512 up, and 0.86-0.96x for INT8 K+V at head_dim 256 from 64 up; elsewhere it
-was slower or even. Those runs had every sequence's query of one length, and the grid sizes
+benchmarks/results/prefill_h200_2026-12-02_tiles.json, the table in benchmarks/README.md)
+"ws" took 0.57-0.81x triton_prefill's time for 16-bit K/V at head_dim 128 (but 1.05x at
+q_len 64) and 0.74-0.88x at 256, from q_len 4 up; 0.60-0.77x for INT8 K at 128 and 256 from
+q_len 512 up; 0.72-0.98x for INT8 K+V at 128 and 256 from 64 up; elsewhere it was slower or
+even. Those runs had every sequence's query of one length, and the grid sizes
 its tiles by the longest (``default_plan``): a short sequence in a longer one's batch would
 take a whole tile of one head, where triton_prefill launches short sequences apart. So it
 takes a call only where the sizes prove the lengths equal (num_tokens = batch x
@@ -45,29 +45,37 @@ NAME = "gluon_prefill"
 HEAD_DIMS = frozenset((64, 128, 256))
 CP_HEAD_DIMS = frozenset((128,))  # "cp": INT8 K with a 16-bit V only
 BLOCK_MS = (64, 128)  # one or two consumer warpgroups of 64 rows
-BLOCK_NS = (64, 128)
+BLOCK_NS = (32, 64, 128)
 PIPELINES = ("ws", "cp")
 # "cp": a buffer for P·V, one for the next Q·K^T, one being filled; "ws": the producer fills
 # one while the consumers read the other
 MIN_STAGES = {"ws": 2, "cp": 3}
 SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA box's width
-# "ws" keys per tile and buffers by (call.kind, head_dim): the most buffers that fit sm_90's
-# 227 KB of shared memory, and 64-key tiles where two 128-key buffers do not fit (head_dim
-# 256), as compiled offline (benchmarks/results/prefill_asm_sm90.json)
+# "ws" keys per tile and buffers by (call.kind, head_dim): the fastest that fit sm_90's 227
+# KB of shared memory, timed on the H200 (2026-12-02, 8K-token prompts and eight 2K ones,
+# every geometry of bench_prefill.py, block_n 32/64/128 x 2-5 buffers). More, shorter tiles
+# won where the producer had only 2-3 buffers: a consumer hands a buffer back one tile
+# sooner and the next tile's TMA has more time to land (16-bit K/V at head_dim 128: 64 x
+# 4 took 0.66-0.79x the time of 128 x 2; at 256: 32 x 4 took 0.83-0.91x 64 x 2)
 WS_TILES = {
-    ("float", 64): (128, 3), ("int8_k", 64): (128, 3), ("int8_kv", 64): (128, 3),
-    ("float", 128): (128, 2), ("int8_k", 128): (128, 3), ("int8_kv", 128): (128, 3),
-    ("float", 256): (64, 2), ("int8_k", 256): (64, 3), ("int8_kv", 256): (64, 3),
+    ("float", 64): (128, 4), ("int8_k", 64): (128, 4), ("int8_kv", 64): (64, 5),
+    ("float", 128): (64, 4), ("int8_k", 128): (128, 4), ("int8_kv", 128): (64, 4),
+    ("float", 256): (32, 4), ("int8_k", 256): (64, 3), ("int8_kv", 256): (64, 3),
 }
 # "ws" registers per thread (setmaxnreg): the producer warp needs few, and a consumer holds
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-# The shortest query from which "ws" measured faster than triton_prefill on the H200
-# (2026-12-02), by (call.kind, head_dim); a kind and head_dim not listed stays with
-# triton_prefill
-FASTER_FROM = {("int8_k", 128): 64, ("int8_k", 256): 64, ("float", 128): 64,
-               ("float", 64): 512, ("int8_kv", 256): 64}
+# The shortest query from which "ws" measured faster than triton_prefill on the H200, by
+# (call.kind, head_dim), with WS_TILES' tiles (bench_prefill.py, 2026-12-02, record
+# prefill_h200_2026-12-02_tiles.json; head_dim 64 from that day's tile sweep); a kind and
+# head_dim not listed stays with triton_prefill. 16-bit K/V at 128 from q_len 2: it took
+# 0.62-0.81x triton_prefill's time at q_len 4 and from 512 up, and 1.05x at 64. INT8 K from
+# 512: at q_len 64 it took 1.13-1.5x (0.6-0.97x a run earlier with the separate
+# quantization's old kernel, not explained).
+FASTER_FROM = {("float", 64): 512, ("float", 128): 2, ("float", 256): 2,
+               ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 512,
+               ("int8_kv", 128): 64, ("int8_kv", 256): 64}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
