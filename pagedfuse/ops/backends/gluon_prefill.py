@@ -51,12 +51,13 @@ PIPELINES = ("ws", "cp")
 # one while the consumers read the other
 MIN_STAGES = {"ws": 2, "cp": 3}
 SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA box's width
-# "ws" keys per tile and buffers by (call.kind, head_dim): the fastest that fit sm_90's 227
-# KB of shared memory, timed on the H200 (2026-12-02, 8K-token prompts and eight 2K ones,
-# every geometry of bench_prefill.py, block_n 32/64/128 x 2-5 buffers). More, shorter tiles
-# won where the producer had only 2-3 buffers: a consumer hands a buffer back one tile
-# sooner and the next tile's TMA has more time to land (16-bit K/V at head_dim 128: 64 x
-# 4 took 0.66-0.79x the time of 128 x 2; at 256: 32 x 4 took 0.83-0.91x 64 x 2)
+# "ws" keys per tile and buffers by (call.kind, head_dim): the fastest of those timed on the
+# H200 that fit sm_90's 227 KB of shared memory (2-3 candidates per kind among block_n
+# 32/64/128 x 2-8 buffers, on bench_prefill.py's geometries and cases;
+# benchmarks/results/gluon_tiles_h200_2026-12-02.json). More, shorter tiles won where only
+# 2-3 buffers fit: a consumer hands each buffer back to the producer sooner (16-bit K/V at
+# head_dim 128: 64 x 4 took 0.65-0.79x the time of 128 x 2; at 256: 32 x 4 took 0.83-0.90x
+# that of 64 x 2)
 WS_TILES = {
     ("float", 64): (128, 4), ("int8_k", 64): (128, 4), ("int8_kv", 64): (64, 5),
     ("float", 128): (64, 4), ("int8_k", 128): (128, 4), ("int8_kv", 128): (64, 4),
@@ -70,9 +71,9 @@ PRODUCER_REGS = 40
 # (call.kind, head_dim), with WS_TILES' tiles (bench_prefill.py, 2026-12-02, record
 # prefill_h200_2026-12-02_tiles.json; head_dim 64 from that day's tile sweep); a kind and
 # head_dim not listed stays with triton_prefill. 16-bit K/V at 128 from q_len 2: it took
-# 0.62-0.81x triton_prefill's time at q_len 4 and from 512 up, and 1.05x at 64. INT8 K from
-# 512: at q_len 64 it took 1.13-1.5x (0.6-0.97x a run earlier with the separate
-# quantization's old kernel, not explained).
+# 0.57-0.81x triton_prefill's time at q_len 4 and from 512 up, and 1.05x at 64. INT8 K from
+# 512: at q_len 64 it took 1.13-1.5x (0.62-0.96x in the run before, with the older tiles and
+# quantization kernel; not explained).
 FASTER_FROM = {("float", 64): 512, ("float", 128): 2, ("float", 256): 2,
                ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 512,
                ("int8_kv", 128): 64, ("int8_kv", 256): 64}
