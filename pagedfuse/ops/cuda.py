@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedfuse.ops import prefill_plan
 from pagedfuse.ops.call import PagedCall, next_power_of_2
 from pagedfuse.ops.triton_paged import combine_splits_kernel
 from pagedfuse.ops.triton_quantize import quantize_int8
@@ -41,6 +42,9 @@ class LaunchConfig(NamedTuple):
     pow2_wave: bool = True
     heads: int = 1
     balanced: bool = False
+
+
+sm_count = prefill_plan.sm_count  # the one helper, shared with the Triton-free host rules
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, head_dim: int, context: int,
@@ -101,13 +105,6 @@ def bias_args(attn_bias: torch.Tensor | None, unused: torch.Tensor):
     is_bool = bias.dtype == torch.bool
     return (bias.view(torch.uint8) if is_bool else bias), strides, bias.shape[2], \
         bias.shape[3], is_bool
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the Triton interpreter on CPU tensors (tests of the kernels' logic)
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache

@@ -134,7 +134,7 @@ def default_plans(call: PagedCall, min_query_len: int = 0) -> tuple[PrefillPlan,
     kernel's rows: ``min_query_len`` > 0)."""
     g = call.geometry
     return _default_plans(g.head_dim, g.group, call.query_bound, call.kind, g.batch,
-                          g.num_q_heads, call.context_bound, _sm_count(call.device),
+                          g.num_q_heads, call.context_bound, sm_count(call.device),
                           min_query_len == 0)
 
 
@@ -156,9 +156,11 @@ NO_CUDA = "no CUDA device here to ask for its compute capability"
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """A device's multiprocessors, which the grids are sized by (here, where no kernel
+    module is imported; ops/cuda.py uses it too)."""
     if device.type != "cuda":
-        return 8  # the Triton interpreter on CPU tensors
+        return 8  # the Triton interpreter on CPU tensors (tests of the kernels' logic)
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
