@@ -93,8 +93,9 @@ def test_support_report_from_fake_tensors():
                     reason="no CUDA backends registered (Triton is not installed)")
 def test_support_report_for_cuda_from_fake_tensors():
     """On fake CUDA tensors (no GPU needed): the decode kernel needs a q_len bound of 1,
-    the Gluon prefill defers where query lengths may differ, no CUDA backend has head_dim
-    96, and a CPU build (no device to ask) has the prefill kernels name that."""
+    the mixed batch sizes that leave room for decode rows beside longer queries, the Gluon
+    prefill defers where query lengths may differ, no CUDA backend has head_dim 96, and a
+    CPU build (no device to ask) has the prefill kernels name that."""
     from pagedfuse.ops.prefill_plan import NO_CUDA
 
     with FakeTensorMode():
@@ -111,10 +112,13 @@ def test_support_report_for_cuda_from_fake_tensors():
         odd = backends.support_report(FLOAT_OP, narrow, narrow_cache, narrow_cache, table, lens,
                                       starts, max_query_len=1)
     asked = [n for n in hinted.reasons if n != "cudnn_prefill"]  # where cuDNN's is installed
-    assert asked == ["cuda_decode", "gluon_prefill", "triton_prefill", "triton"]
+    assert asked == ["cuda_decode", "mixed_batch", "gluon_prefill", "triton_prefill", "triton"]
     assert unhinted.reasons["cuda_decode"] == "more than one query token per sequence"
+    assert hinted.reasons["mixed_batch"].startswith("no one-token query can sit beside")
     if torch.cuda.is_available():
-        assert hinted.chosen == "cuda_decode" and unhinted.chosen == "triton_prefill"
+        # 4 tokens in 4 sequences, no hint: they may all be decode rows, which the mixed
+        # batch gives to the CUDA decode
+        assert hinted.chosen == "cuda_decode" and unhinted.chosen == "mixed_batch"
         if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon kernel runs
             assert unhinted.reasons["gluon_prefill"].startswith(
                 "defers: 4 tokens in 4 sequences of up to 4: the query lengths may differ")

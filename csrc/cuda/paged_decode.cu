@@ -462,6 +462,10 @@ __device__ __forceinline__ float log_sum_exp2(float m, float l) {
 
 // One sequence's lengths, clamped as the Triton kernel clamps them, and the first key its
 // query reads: the query sits at position len - 1, so a window reaches back to len - window.
+// A sequence of several query tokens counts as one without any (q_end == q_start): in a
+// batch that mixes decode rows with prompt chunks this grid serves the one-token queries and
+// the prefill kernel the others (a decode call's hint or sizes give every sequence at most
+// one token, so it never meets one).
 struct Seq {
   int64_t len, q_start, q_end, first;
 };
@@ -469,8 +473,9 @@ __device__ __forceinline__ Seq sequence(const Args& a, int b) {
   const int64_t len = clamp(load_index(a.seq_lens, b, a.index64 & 2), 0,
                             static_cast<int64_t>(a.max_blocks) * a.page);
   const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
-  return {len, q_start,
-          clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens),
+  const int64_t q_end =
+      clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens);
+  return {len, q_start, q_end - q_start == 1 ? q_end : q_start,
           a.window > 0 && len > a.window ? len - a.window : 0};
 }
 

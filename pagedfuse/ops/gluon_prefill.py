@@ -510,7 +510,7 @@ def ws_prefill_kernel(
     out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
-    stride_vst, stride_vsh, stride_btb, stride_btn,
+    stride_vst, stride_vsh, stride_btb, stride_btn, min_q,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -526,7 +526,7 @@ def ws_prefill_kernel(
     b = gl.program_id(2)
     seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
     t0 = tile * (BLOCK_M // PACK)
-    if t0 >= q_len:
+    if (t0 >= q_len) | (q_len < min_q):  # (min_q: another kernel's shorter sequences)
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -625,7 +625,7 @@ def gluon_prefill_kernel(
     sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btb,
-    stride_btn,
+    stride_btn, min_q,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr,
@@ -653,7 +653,7 @@ def gluon_prefill_kernel(
     b = gl.program_id(2)
     seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
     t0 = tile * TOKENS
-    if t0 >= q_len:
+    if (t0 >= q_len) | (q_len < min_q):  # (min_q: another kernel's shorter sequences)
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -750,9 +750,10 @@ def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
 
 
 def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Tensor,
-                q_scale: torch.Tensor | None) -> Launch:
+                q_scale: torch.Tensor | None, min_query_len: int = 0) -> Launch:
     """The launch of ``call`` under ``plan``; ``q``: the int8 query with its per-(token,
-    head) scales ``q_scale`` for an INT8 K cache, else the query itself and None."""
+    head) scales ``q_scale`` for an INT8 K cache, else the query itself and None;
+    sequences of fewer than ``min_query_len`` query tokens are skipped."""
     g = call.geometry
     kc, vc, ks, vs = call.key_cache, call.value_cache, call.key_scale, call.value_scale
     tiles = triton.cdiv(call.query_bound, plan.tokens)
@@ -776,13 +777,16 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                        maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
-            *strides, *call.block_table.stride())
+            *strides, *call.block_table.stride(), min_query_len)
     return Launch(kernel, grid, args, options)
 
 
-def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = None) -> None:
+def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = None,
+                 min_query_len: int = 0) -> None:
     """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call`` (a call the
-    backend's ``supports`` takes); ``plan`` overrides the default launch."""
+    backend's ``supports`` takes); ``plan`` overrides the default launch. Sequences of fewer
+    than ``min_query_len`` query tokens are skipped (their rows left as they are), for a
+    batch whose decode rows another kernel serves."""
     plan = plan or default_plan(call)
     check_plan(call, plan)
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
@@ -792,5 +796,5 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     if g.num_tokens == 0 or g.batch == 0:
         return
     q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
-    launch = launch_args(call, out, plan, q, q_scale)
+    launch = launch_args(call, out, plan, q, q_scale, min_query_len)
     launch.kernel[launch.grid](*launch.args, **launch.options)

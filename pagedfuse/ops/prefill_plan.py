@@ -164,6 +164,17 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def may_mix_decode_rows(call: PagedCall) -> bool:
+    """Whether ``call``'s sizes leave room for a one-token query beside a longer one: several
+    sequences, and fewer tokens than each holding the longest query (sizes a trace made
+    dynamic prove nothing either way: no). The prefill backend then gives the one-token
+    rows to the CUDA decode where that takes them."""
+    g, bound = call.geometry, call.query_bound
+    if not all(isinstance(n, int) for n in (g.batch, g.num_tokens, bound)):
+        return False
+    return g.batch > 1 and bound > 1 and g.num_tokens < g.batch * bound
+
+
 def prefill_unsupported(call: PagedCall) -> str | None:
     """Why this kernel family cannot run ``call`` (None: it can). Decode calls (at most one
     query token per sequence, known from the hint or the shapes) belong to the decode

@@ -6,6 +6,8 @@ below (see registry.py for the contract). Built in: ``reference`` (pure torch, a
 > 1) and ``cuda_decode`` (the CUDA C++ decode, which launches its own query quantization
 and split combine, and falls back on Triton's quantize where its library does not run);
 ``gluon_prefill`` (the Gluon prefill, sm_90, for the calls where it measured faster);
+``mixed_batch`` (decode rows beside prompt chunks: the CUDA decode for the one and a prefill
+kernel for the other);
 ``cudnn_prefill`` (cuDNN's
 paged SDPA, q_len > 1) where the optional ``nvidia-cudnn-frontend`` is installed too.
 """
@@ -35,7 +37,13 @@ from pagedfuse.ops.backends.registry import (
 )
 
 if importlib.util.find_spec("triton") is not None:  # without it CUDA runs the reference
-    from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton, triton_prefill  # noqa: F401
+    from pagedfuse.ops.backends import (  # noqa: F401
+        cuda_decode,
+        gluon_prefill,
+        mixed_batch,
+        triton,
+        triton_prefill,
+    )
 
     # cuDNN's paged SDPA: only where the optional frontend is installed beside CUDA torch
     if importlib.util.find_spec("cudnn") is not None and torch.version.cuda is not None:

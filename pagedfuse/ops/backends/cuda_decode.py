@@ -120,16 +120,27 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
 
 
 def supports(call: PagedCall) -> str | None:
+    return _unsupported(call, one_token=True)
+
+
+def rows_unsupported(call: PagedCall) -> str | None:
+    """Why the decode grid cannot serve the one-token sequences of ``call`` beside longer
+    ones (which it skips on the device: csrc/cuda/paged_decode.cu ``sequence``), or None."""
+    return _unsupported(call, one_token=False)
+
+
+def _unsupported(call: PagedCall, one_token: bool) -> str | None:
     missing = options_missing(call, "cuda_decode", implemented=("window_left", "softcap"))
     if missing:
         return missing
     if call.attn_bias is not None:
         return "attn_bias"
-    bound = call.query_bound
-    if not isinstance(bound, int):
-        return "query tokens per sequence unknown (dynamic)"
-    if bound > 1:
-        return "more than one query token per sequence"
+    if one_token:
+        bound = call.query_bound
+        if not isinstance(bound, int):
+            return "query tokens per sequence unknown (dynamic)"
+        if bound > 1:
+            return "more than one query token per sequence"
     return cuda_native.decode_unsupported(call)
 
 
@@ -143,6 +154,15 @@ def run(call: PagedCall, out: torch.Tensor, plan: DecodePlan | None = None) -> N
     (INT8 K), the decode grid, then the split combine where there are several splits."""
     p = make_plan(call) if plan is None else plan
     cuda_native.decode_into(call, out, p.splits, p.config.heads, pdl=_pdl(call, p), ctas=p.ctas)
+
+
+def run_rows(call: PagedCall, out: torch.Tensor) -> None:
+    """The one-token sequences of a batch that also holds longer ones (rows_unsupported
+    None): their rows of ``out``, in one split, since a split launch's combine would write
+    (and read partials for) every row of the batch. An INT8 K query is quantized for every
+    row, the longer sequences' too."""
+    p = make_plan(call, splits=1)
+    cuda_native.decode_into(call, out, p.splits, p.config.heads, pdl=_pdl(call, p))
 
 
 def host_launch(call: PagedCall) -> dict | None:

@@ -256,9 +256,9 @@ def supports(call: PagedCall) -> str | None:
     return prefill_unsupported(call) or call_unsupported(call)
 
 
-def defers(call: PagedCall) -> str | None:
-    """Why the op's own choice leaves ``call`` to triton_prefill (FASTER_FROM, equal query
-    lengths), or None."""
+def slower(call: PagedCall) -> str | None:
+    """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind,
+    head_dim and longest query (FASTER_FROM), or None."""
     g, kind = call.geometry, call.kind
     shortest = FASTER_FROM.get((kind, g.head_dim))
     if shortest is None:
@@ -269,6 +269,15 @@ def defers(call: PagedCall) -> str | None:
     if bound < shortest:
         return (f"queries of up to {bound} tokens: it measured faster from {shortest} "
                 f"({kind}, head_dim {g.head_dim})")
+    return None
+
+
+def defers(call: PagedCall) -> str | None:
+    """Why the op's own choice leaves ``call`` to triton_prefill (``slower``, or query
+    lengths that may differ), or None."""
+    if why := slower(call):
+        return why
+    g, bound = call.geometry, call.query_bound
     if g.batch > 1 and g.num_tokens != g.batch * bound:
         return (f"{g.num_tokens} tokens in {g.batch} sequences of up to {bound}: the query "
                 "lengths may differ, and a short one would take a whole tile of one head")
@@ -282,6 +291,15 @@ def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
     if plan is not None and not isinstance(plan, GluonPlan):
         raise TypeError(f"plan: a GluonPlan, got {type(plan).__name__}")
     prefill_into(call, out, plan)
+
+
+def run_longer(call: PagedCall, out: torch.Tensor) -> None:
+    """The rows of ``call``'s sequences of two or more query tokens (a mixed batch's
+    chunks, whose decode rows another kernel serves): the one-token ones' tiles exit at
+    once."""
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    prefill_into(call, out, min_query_len=2)
 
 
 BACKEND = register_backend(Backend(

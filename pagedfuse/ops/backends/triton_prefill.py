@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.prefill_plan import HEAD_DIMS, PrefillPlan, default_plan, prefill_unsupported
@@ -25,6 +27,12 @@ def make_plan(call: PagedCall, **overrides: object) -> PrefillPlan:
 def supports(call: PagedCall) -> str | None:
     return (options_missing(call, "triton_prefill", implemented=("window_left", "softcap"))
             or prefill_unsupported(call))
+
+
+def run_longer(call: PagedCall, out: torch.Tensor) -> None:
+    """The rows of ``call``'s sequences of two or more query tokens (a mixed batch's
+    chunks, whose decode rows another kernel serves)."""
+    prefill_into(call, out, min_query_len=2)
 
 
 BACKEND = register_backend(Backend(

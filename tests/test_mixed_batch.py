@@ -1,0 +1,124 @@
+"""The ``mixed_batch`` backend (decode rows beside prompt chunks in one call: the CUDA C++
+decode for the one, a prefill kernel for the other).
+
+Without a GPU: which sizes may mix one-token queries with longer ones, which calls the
+backend declines and why, and (where Triton is installed) that it runs the decode part first
+and the prefill part second, each told to skip the other's sequences. On a GPU (marked
+``cuda``): mixed batches of every cache kind against the float64 reference into NaN-poisoned
+outputs, through the backend and through the op's own choice, and from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.cases import make_case
+from helpers.prefill import varlen_case
+
+from pagedfuse.numerics import rel_err
+from pagedfuse.ops import prefill_plan as pp
+
+cuda = pytest.mark.cuda
+
+
+@pytest.mark.parametrize(("q_lens", "hint", "mixed"), [
+    ([1, 33, 1], 33, True),  # decode rows beside a chunk
+    ([33, 33], 33, False),  # 66 tokens = 2 x 33: no sequence can be shorter
+    ([40], None, False),  # one sequence
+    ([5, 3], None, True),  # no hint: the bound is every token
+    ([1, 1], 1, False),  # a decode call (the CUDA decode's own)
+])
+def test_which_sizes_may_mix_decode_rows(q_lens, hint, mixed):
+    case = make_case(seq_lens=[q + 50 for q in q_lens], q_lens=q_lens, head_dim=128,
+                     dtype=torch.bfloat16)
+    assert pp.may_mix_decode_rows(case.call(max_query_len=hint)) is mixed
+
+
+@pytest.fixture(scope="module")
+def mb():
+    pytest.importorskip("triton")  # the backend and its parts import the kernels
+    from pagedfuse.ops.backends import mixed_batch
+
+    return mixed_batch
+
+
+def test_calls_without_decode_rows_or_a_decode_kernel_are_declined(mb):
+    uniform = make_case(seq_lens=[80, 80], q_lens=[30, 30], head_dim=128, dtype=torch.bfloat16)
+    assert mb.supports(uniform.call(max_query_len=30)) == (
+        "no one-token query can sit beside a longer one (the sizes say so)")
+    mixed = make_case(seq_lens=[80, 51], q_lens=[30, 1], head_dim=128, dtype=torch.bfloat16)
+    why = mb.supports(mixed.call(max_query_len=30))  # a CPU call: no decode library for it
+    assert why.startswith("the decode rows: cuda_decode: "), why
+
+
+@pytest.mark.parametrize(("gluon_reason", "hint", "prefill"), [
+    (None, 40, "gluon"), ("slower", 40, "triton"),
+    (None, None, "triton"),  # no hint: Gluon's tiles would be sized by every token
+])
+def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon_reason,
+                                                          hint, prefill):
+    """With the kernels replaced by recorders: the decode's rows, then the longer
+    sequences' on the Gluon kernel where the longest query is hinted and it measured faster
+    for it, else triton_prefill."""
+    from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton_prefill
+
+    ran = []
+    monkeypatch.setattr(cuda_decode, "rows_unsupported", lambda call: None)
+    monkeypatch.setattr(gluon_prefill, "supports", lambda call: None)
+    monkeypatch.setattr(gluon_prefill, "slower", lambda call: gluon_reason)
+    monkeypatch.setattr(triton_prefill, "supports", lambda call: None)
+    for module, name in ((cuda_decode, "decode"), (gluon_prefill, "gluon"),
+                         (triton_prefill, "triton")):
+        monkeypatch.setattr(module, "run_rows" if name == "decode" else "run_longer",
+                            lambda call, out, name=name: ran.append(name))
+    case = make_case(seq_lens=[60, 90, 51], q_lens=[1, 40, 1], head_dim=128,
+                     dtype=torch.bfloat16)
+    call = case.call(max_query_len=hint)
+    assert mb.supports(call) is None
+    mb.run(call, torch.empty_like(case.query))
+    assert ran == ["decode", prefill]
+    with pytest.raises(TypeError, match="plan: the mixed_batch backend takes none"):
+        mb.run(call, torch.empty_like(case.query), plan=object())
+
+
+def _mixed(kind: str, head_dim: int = 128):
+    return varlen_case([1, 33, 1, 1, 300, 1], [700, 10, 0, 2000, 90, 1], num_q_heads=32,
+                       num_kv_heads=8, head_dim=head_dim, kind=kind)
+
+
+@cuda
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_mixed_batches_match_the_reference(mb, kind, head_dim):
+    from pagedfuse.ops.backends import get_backend
+
+    case = _mixed(kind, head_dim)
+    call = case.call(case.longest, case.longest_query)
+    if why := mb.supports(call):
+        pytest.skip(f"mixed_batch declines here: {why}")
+    want = case.reference()
+    assert rel_err(case.run_backend(get_backend("mixed_batch"), None, case.longest,
+                                    case.longest_query), want) < 2e-2
+    got = case.run_op(max_seq_len=case.longest, max_query_len=case.longest_query)
+    assert rel_err(got, want) < 2e-2
+
+
+@cuda
+def test_a_mixed_batch_replays_from_a_cuda_graph(mb):
+    case = _mixed("int8_k")
+    call = case.call(case.longest, case.longest_query)
+    if why := mb.supports(call):
+        pytest.skip(f"mixed_batch declines here: {why}")
+    out = torch.full_like(case.query, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mb.run(call, out)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mb.run(call, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, case.reference()) < 2e-2
