@@ -90,7 +90,7 @@ def _mixed(kind: str, head_dim: int = 128):
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
 def test_mixed_batches_match_the_reference(mb, kind, head_dim):
-    from pagedfuse.ops.backends import get_backend
+    from pagedfuse.ops.backends import get_backend, report_for
 
     case = _mixed(kind, head_dim)
     call = case.call(case.longest, case.longest_query)
@@ -99,6 +99,7 @@ def test_mixed_batches_match_the_reference(mb, kind, head_dim):
     want = case.reference()
     assert rel_err(case.run_backend(get_backend("mixed_batch"), None, case.longest,
                                     case.longest_query), want) < 2e-2
+    assert report_for(call).chosen == "mixed_batch"  # the op's own choice
     got = case.run_op(max_seq_len=case.longest, max_query_len=case.longest_query)
     assert rel_err(got, want) < 2e-2
 
