@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 
 import pytest
 import torch
 from helpers.cases import Case, make_case
 from helpers.cuda_cases import replayed
-from helpers.prefill import VARLEN_CASES, named_varlen_case, varlen_case
+from helpers.prefill import VARLEN_CASES, named_varlen_case, structured_biases, varlen_case
 
 from pagedfuse.numerics import rel_err
 from pagedfuse.ops import prefill_plan as pp
@@ -82,6 +83,63 @@ def test_attn_bias(kind):
     case = varlen_case(q_lens, hist, num_q_heads=16, num_kv_heads=4, head_dim=128).with_(
         attn_bias=bias)
     assert rel_err(run_prefill(case), case.reference()) < 2e-2
+
+
+BIAS_BATCHES = {"varlen": ([20, 7, 70], [50, 0, 30], 16), "packed-page1": ([96], [64], 1)}
+
+
+@cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch", list(BIAS_BATCHES))
+@pytest.mark.parametrize("name", list(structured_biases([2], [0], 2)))
+def test_biases_that_hide_key_tiles(name, batch, causal):
+    """The tiles a bias hides from every row are skipped and the ones it leaves at 0 run
+    unmasked (bias spans): exact on the masks serving stacks build, on rows that see no
+    key and on NaN biases; with the default launches and with 16x16 tiles in 3 key splits."""
+    q_lens, hist, page = BIAS_BATCHES[batch]
+    bias = structured_biases(q_lens, hist, 16)[name]
+    bias = bias.to(torch.bfloat16) if bias.is_floating_point() else bias
+    case = varlen_case(q_lens, hist, num_q_heads=16, num_kv_heads=4, head_dim=128,
+                       block_size=page, causal=causal).with_(attn_bias=bias.cuda())
+    ref = case.reference()
+    call = case.call(case.longest, case.longest_query)
+    for plan in (None, pp.PrefillPlan(block_m=16, block_n=16, num_warps=4, splits=3)):
+        out = run_prefill(case, plan)
+        assert torch.equal(out.isnan().cpu(), ref.isnan()), (plan, "NaN rows differ")
+        seen = ~ref.isnan()
+        assert rel_err(out.cpu()[seen], ref[seen]) < TOL[torch.bfloat16], plan
+    assert call.attn_bias is not None
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(1, 1, 300, 2500), (2, 3, 5, 40), (1, 1, 7, 1)])
+def test_bias_spans_read_the_bias(shape):
+    """bias_spans against a torch reading of the same bias: first visible key, one past the
+    last (NO_END where the last column is visible or none is), all-zero flag."""
+    from pagedfuse.ops import cuda as cuda_ops
+    from pagedfuse.ops import triton_prefill as tp
+
+    hidden, no_end = tp.HIDDEN.value, tp.NO_END.value
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.where(torch.rand(shape, generator=gen) < 0.6, -math.inf, 0.0)
+    bias[..., 0, :] = -math.inf  # a row with no visible key
+    if shape[-1] > 4:
+        bias[..., 1, :] = 0.0
+        bias[..., 2, 1:4] = torch.tensor([0.0, 0.5, 0.0])
+        bias[..., 2, 4:] = -1e31
+    for b in (bias, bias > hidden):
+        spans, _ = tp.bias_spans(cuda_ops.bias_args(b.cuda(), b.cuda())[0])
+        seen = b if b.dtype == torch.bool else b > hidden
+        cols = torch.arange(shape[-1])
+        any_seen = seen.any(-1)
+        lo = torch.where(seen, cols, no_end).amin(-1)
+        last = torch.where(seen, cols + 1, 0).amax(-1)
+        hi = torch.where(any_seen & (last < shape[-1]), last, no_end)
+        inside = (cols >= lo[..., None]) & (cols < last[..., None])
+        value = torch.zeros_like(bias) if b.dtype == torch.bool else bias
+        zero = any_seen & ~(inside & ~(seen & (value == 0))).any(-1)
+        expect = torch.stack([torch.where(any_seen, lo, 0), hi, zero.int()], -1).int()
+        assert torch.equal(spans.cpu(), expect), b.dtype
 
 
 @cuda

@@ -43,6 +43,16 @@ SDPA's 2.1e-3, 2026-12-01) and was not kept. A third: an INT8 K scale above abou
 (keys above 3.4e33) overflows the per-key constant of the score conversion below and makes
 the score NaN where the reference's may still be finite.
 
+Biases (``attn_bias``): bias_spans_kernel first reads the bias once and gives each of its
+rows the span of keys it leaves visible (from the first to the last key whose bias is above
+HIDDEN, or true for a bool mask) and whether every key in that span has a bias of exactly
+0. A tile then skips the key tiles no row of it can see and runs the ones every row sees
+with a zero bias unmasked (no bias loads), as it does for causal masks: a causal or packed
+block-diagonal mask given as a bias (transformers' continuous batching) costs what causal
+masking costs. Skipping is exact: a hidden key's weight exp2(s + bias - max) is 0 in fp32
+beside a visible key while |scores| stay below 1e22, and a row with no visible key keeps
+every key (eager SDPA averages them), so its tile skips nothing.
+
 INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
 with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
 the softmax: the int32 score becomes a float by its bits and one FFMA with the key's scale,
@@ -66,6 +76,10 @@ from pagedfuse.ops.prefill_plan import PrefillPlan, check_plan, default_plans, p
 from pagedfuse.ops.triton_paged import LOG2E, cache_blocks, sequence_bounds, tanh
 from pagedfuse.ops.triton_quantize import quantize_int8
 
+HIDDEN: tl.constexpr = tl.constexpr(-1e30)  # a float bias at or below it hides its key
+NO_END: tl.constexpr = tl.constexpr(2**30)  # a span open to the right (keys past the bias's
+# columns reuse its last one)
+SPAN_CHUNK = 1024  # bias columns a span program reads per step
 MAGIC: tl.constexpr = tl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
 MAGIC_F: tl.constexpr = tl.constexpr(12582912.0)
 
@@ -95,6 +109,65 @@ def _key_scales(s_ptr, bt_row_ptr, offs_n, n_ok, kvh, stride_btn, num_blocks, st
         first = first & n_ok[:, None]
     return tl.sum(tl.load(ptrs[:, None] + tl.zeros([1, 2], tl.int32), mask=first, other=0.0),
                   axis=1)
+
+
+@triton.jit
+def bias_spans_kernel(bias_ptr, spans_ptr, cols, stride_b, stride_h, stride_m, stride_n,
+                      BOOL: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (bias rows, bias heads, bias batches): one bias row each. Writes (first visible
+    key, last visible key + 1 or NO_END where the last column is visible, 1 where every key
+    between them is visible with a zero bias); a row with no visible key gets (0, NO_END, 0):
+    every key is read. NaN counts as visible and non-zero."""
+    r, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = bias_ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h \
+        + r.to(tl.int64) * stride_m
+    lo = tl.full([], NO_END, tl.int32)
+    hi = tl.zeros([], tl.int32)
+    count = tl.zeros([], tl.int32)
+    nonzero = tl.zeros([], tl.int32)
+    for c0 in range(0, cols, CHUNK):
+        c = c0 + tl.arange(0, CHUNK)
+        ok = c < cols
+        x = tl.load(row + c.to(tl.int64) * stride_n, mask=ok, other=0)
+        if BOOL:
+            seen = ok & (x != 0)
+        else:
+            x = x.to(tl.float32)
+            seen = ok & ~(x <= HIDDEN)
+            nonzero = tl.maximum(nonzero, tl.max((seen & (x != 0.0)).to(tl.int32)))
+        lo = tl.minimum(lo, tl.min(tl.where(seen, c, NO_END)))
+        hi = tl.maximum(hi, tl.max(tl.where(seen, c + 1, 0)))
+        count += tl.sum(seen.to(tl.int32))
+    zero = (count == hi - lo) & (nonzero == 0) & (count > 0)
+    hi = tl.where((hi == cols) | (count == 0), NO_END, hi)
+    lo = tl.where(count == 0, 0, lo)
+    out = spans_ptr + ((b * tl.num_programs(1) + h) * tl.num_programs(0) + r).to(tl.int64) * 3
+    tl.store(out, lo)
+    tl.store(out + 1, hi)
+    tl.store(out + 2, zero.to(tl.int32))
+
+
+def bias_spans(bias: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """bias_spans_kernel over a kernel's 4-D view of ``attn_bias`` (cuda.bias_args): the spans
+    [B', H', rows, 3] int32 and their (batch, head) strides, 0 where the bias broadcasts."""
+    nb, nh, rows, cols = bias.shape
+    spans = torch.empty(nb, nh, rows, 3, dtype=torch.int32, device=bias.device)
+    bias_spans_kernel[(rows, nh, nb)](bias, spans, cols, *bias.stride(),
+                                      BOOL=bias.dtype == torch.uint8, CHUNK=SPAN_CHUNK)
+    return spans, (spans.stride(0) if nb > 1 else 0, spans.stride(1) if nh > 1 else 0)
+
+
+@triton.jit
+def _bias_bounds(spans_ptr, stride_spb, stride_sph, b, head, t, row_ok, bias_rows):
+    """A tile's bias spans: (first key any row sees, last + 1, and the keys every row sees
+    with a zero bias: [z_lo, z_hi), empty where some row's span is not all zero)."""
+    sp = spans_ptr + b * stride_spb + head * stride_sph + tl.minimum(t, bias_rows - 1) * 3
+    lo = tl.load(sp, mask=row_ok, other=NO_END)
+    hi = tl.load(sp + 1, mask=row_ok, other=0)
+    zero = tl.min(tl.load(sp + 2, mask=row_ok, other=1)) > 0
+    z_lo = tl.where(zero, tl.max(tl.where(row_ok, lo, 0)), NO_END)
+    z_hi = tl.where(zero, tl.min(tl.where(row_ok, hi, NO_END)), 0)
+    return tl.min(lo), tl.max(hi), z_lo, z_hi
 
 
 @triton.jit
@@ -199,8 +272,9 @@ def _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides, BLOCK_N: t
 @triton.jit
 def prefill_kernel(
     q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bias_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, sm_scale_log2, softcap_log2, window_left, num_tokens,
-    num_q_heads, num_blocks, max_blocks, split_keys, stride_qt, stride_qh, stride_qst, stride_qsh,
+    spans_ptr, stride_spb, stride_sph, out_ptr, part_o_ptr, part_lse_ptr, sm_scale_log2,
+    softcap_log2, window_left, num_tokens, num_q_heads, num_blocks, max_blocks, split_keys,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_btb, stride_btn, stride_ab, stride_ah, stride_am, stride_an, bias_rows, bias_cols,
@@ -214,8 +288,8 @@ def prefill_kernel(
     MAX_Q query tokens (0: no upper bound) are served; another launch takes the rest. With
     SPLITS > 1, split s reads keys [s * split_keys, (s + 1) * split_keys) and writes its
     normalized rows and log2-sum-exps to part_o / part_lse, for combine_splits_kernel.
-    Read only under their flags: ``softcap_log2`` (SOFTCAP), softcap * log2(e), and
-    ``window_left`` (WINDOW), >= 1."""
+    Read only under their flags: ``softcap_log2`` (SOFTCAP), softcap * log2(e),
+    ``window_left`` (WINDOW), >= 1, and the bias and its spans (HAS_BIAS, bias_spans)."""
     TOKENS: tl.constexpr = BLOCK_M // PACK  # PACK need not divide BLOCK_M: spare rows idle
     pid_h = tl.program_id(0)
     # causal: the longest tiles start first
@@ -253,7 +327,10 @@ def prefill_kernel(
         hi = seq_len
         full = seq_len
     if HAS_BIAS:
-        full = 0
+        b_lo, b_hi, z_lo, z_hi = _bias_bounds(spans_ptr, stride_spb, stride_sph, b, head, t,
+                                              row_ok, bias_rows)
+        hi = tl.minimum(hi, b_hi)
+        full = tl.minimum(full, z_hi)
     full = tl.maximum(tl.minimum(full, hi), 0) // BLOCK_N * BLOCK_N
     lo = 0
     if SPLITS > 1:  # split_keys is a multiple of BLOCK_N, so full stays tile-aligned
@@ -271,6 +348,10 @@ def prefill_kernel(
         lo_full = tl.maximum(lo, tl.cdiv(tl.maximum(ctx + last + 1 - window_left, 0), BLOCK_N)
                              * BLOCK_N)
         lo_full = tl.minimum(lo_full, hi)
+    if HAS_BIAS:  # no row sees keys before b_lo; every row sees [z_lo, z_hi) unbiased
+        lo = tl.maximum(lo, b_lo // BLOCK_N * BLOCK_N)
+        lo_full = tl.minimum(tl.maximum(tl.maximum(lo_full, lo),
+                                        tl.cdiv(tl.minimum(z_lo, hi), BLOCK_N) * BLOCK_N), hi)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -283,7 +364,7 @@ def prefill_kernel(
     strides = (stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ksb,
                stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh, stride_btn, stride_ab,
                stride_ah, stride_am, stride_an)
-    if WINDOW:  # without a window lo_full is lo: the kernel is the one it was before
+    if WINDOW or HAS_BIAS:  # otherwise lo_full is lo
         for start in range(lo, lo_full, BLOCK_N):
             acc, m_i, l_i = _step(acc, m_i, l_i, q, row_scale, start, tile, sources, strides,
                                   BLOCK_N, HEAD_DIM, PAGE, INT8_K, V_INT8, PV_INT8, CAUSAL,
@@ -320,15 +401,19 @@ class Launch(NamedTuple):
 
 def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.Tensor,
                 q_scale: torch.Tensor | None, min_query_len: int = 0,
-                partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
+                partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+                spans: tuple[torch.Tensor, tuple[int, int]] | None = None) -> Launch:
     """The launch of ``call`` under ``plan``; ``q``: the query, int8 for INT8 K, with its
     per-(token, head) scales ``q_scale`` (None otherwise); ``partials``: (rows, log-sum-exps)
-    buffers of plan.splits > 1."""
+    buffers of plan.splits > 1; ``spans``: bias_spans of the call's bias (computed here
+    where a bias comes without them)."""
     g = call.geometry
     q_scale = q if q_scale is None else q_scale  # never read without INT8_K
     ks = call.key_scale if call.int8_k else q_scale  # never read without INT8_K
     vs = call.value_scale if call.value_scale is not None else ks
     bias, bias_strides, bias_rows, bias_cols, bias_bool = cuda.bias_args(call.attn_bias, out)
+    if spans is None:
+        spans = bias_spans(bias) if call.attn_bias is not None else (out, (0, 0))
     kc, vc = call.key_cache, call.value_cache
     part_o, part_lse = partials or (out, out)  # never written with one split
     # A window as long as the table holds keys hides none: clamped there it stays an int32.
@@ -341,8 +426,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: PrefillPlan, q: torch.
     grid = (g.num_q_heads // plan.pack, tiles * plan.splits, g.batch)
     args = (
         q, q_scale, kc, vc, ks, vs, call.block_table, call.seq_lens, call.query_start_loc,
-        bias, out, part_o, part_lse, call.scale * LOG2E, (call.softcap or 0.0) * LOG2E,
-        window, g.num_tokens, g.num_q_heads,
+        bias, spans[0], *spans[1], out, part_o, part_lse, call.scale * LOG2E,
+        (call.softcap or 0.0) * LOG2E, window, g.num_tokens, g.num_q_heads,
         g.num_blocks, g.max_blocks, split_keys, q.stride(0), q.stride(1),
         *(q_scale.stride() if call.int8_k else (0, 0)),
         *kc.stride()[:3], *vc.stride()[:3],
@@ -380,11 +465,14 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: PrefillPlan | None = 
     if g.num_tokens == 0 or g.batch == 0:
         return
     q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
+    spans = None  # one pass over a bias serves every launch
+    if call.attn_bias is not None:
+        spans = bias_spans(cuda.bias_args(call.attn_bias, out)[0])
     for p in plans:  # in order: a split launch's merge writes every row, later launches theirs
         partials = None
         if p.splits > 1:
             partials = cuda.partials(call, p.splits * g.num_tokens * g.num_q_heads)
-        launch = launch_args(call, out, p, q, q_scale, min_query_len, partials)
+        launch = launch_args(call, out, p, q, q_scale, min_query_len, partials, spans)
         prefill_kernel[launch.grid](*launch.args, **launch.options)
         if partials:
             cuda.combine(call, out, *partials, p.splits, pdl=False)

@@ -4,6 +4,8 @@ the varlen batches every prefill backend is held to."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from helpers.cases import Case, make_case
@@ -58,3 +60,40 @@ def paged_call(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     return PagedCall(INT8_OP if key_scale is not None else FLOAT_OP, query, key_cache,
                      value_cache, key_scale, value_scale, block_table, seq_lens,
                      query_start_loc, scale, causal, attn_bias, max_seq_len, max_query_len, geo)
+
+
+def structured_biases(q_lens: list[int], histories: list[int], num_q_heads: int
+                      ) -> dict[str, torch.Tensor]:
+    """Biases (CPU, float32 or bool) that hide whole key tiles, as serving stacks build them:
+    bottom-right causal as finfo.min, -inf or a bool mask; two requests packed block-diagonally
+    (transformers' continuous batching); a padded tail with a row that sees nothing; an
+    ALiBi slope under a causal mask (visible keys with non-zero biases); a NaN inside a
+    row's span; a per-head band (one head sees every key); and a dense random bias. Rows
+    are query positions of the longest query, columns key positions of the longest
+    sequence."""
+    rows = max(q_lens)
+    cols = max(q + h for q, h in zip(q_lens, histories, strict=True))
+    i, j = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    hide = j > i + cols - rows
+    causal_min = torch.zeros(rows, cols).masked_fill(hide, torch.finfo(torch.float32).min)
+    packed = hide | ((i < rows // 2) & (j >= (cols + rows // 2) // 2))
+    padded = torch.zeros(rows, cols).masked_fill(hide | (j >= cols - 5), -math.inf)
+    padded[rows // 3] = -math.inf
+    slope = -0.1 * (j - i - (cols - rows)).abs().float()
+    with_nan = causal_min.clone()
+    with_nan[rows - 1, cols // 2] = math.nan
+    band = torch.zeros(num_q_heads, rows, cols).masked_fill(
+        hide | (j <= i + cols - rows - 9), -math.inf)
+    band[1] = 0.0
+    return {
+        "causal-finfo-min": causal_min,
+        "causal-inf": torch.zeros(1, 1, rows, cols).masked_fill(hide, -math.inf),
+        "causal-bool": ~hide,
+        "packed-requests": torch.zeros(1, 1, rows, cols).masked_fill(packed, -1e38),
+        "padded-hidden-row": padded,
+        "alibi-causal": slope.masked_fill(hide, -math.inf)[None, None].expand(
+            len(q_lens), num_q_heads, rows, cols),
+        "nan-in-span": with_nan,
+        "per-head-band": band,
+        "dense-random": torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)),
+    }
