@@ -105,6 +105,18 @@ def test_mixed_batches_match_the_reference(mb, kind, head_dim):
 
 
 @cuda
+def test_a_windowed_capped_mixed_batch(mb):
+    """Windows and soft caps reach both parts (the decode's rows start at their window)."""
+    case = varlen_case([1, 33, 1, 300], [700, 10, 2000, 90], num_q_heads=32, num_kv_heads=8,
+                       head_dim=128, window_left=64, softcap=30.0)
+    from pagedfuse.ops.backends import get_backend
+
+    assert mb.supports(case.call(case.longest, case.longest_query)) is None
+    assert rel_err(case.run_backend(get_backend("mixed_batch"), None, case.longest,
+                                    case.longest_query), case.reference()) < 2e-2
+
+
+@cuda
 def test_a_mixed_batch_replays_from_a_cuda_graph(mb):
     case = _mixed("int8_k")
     call = case.call(case.longest, case.longest_query)

@@ -287,8 +287,8 @@ def test_gpu_kernels_read_only_the_windows_pages(backend, kind):
 @pytest.mark.cuda
 def test_windowed_calls_take_the_fast_kernels():
     """A decode call with a window and a cap goes to the CUDA C++ decode by default, and its
-    launch plan is the one of a context as long as the window; a prompt with them goes to
-    the prefill kernel."""
+    launch plan is the one of a context as long as the window; prompts with them go to the
+    prefill kernel, and a prompt beside a decode row to mixed_batch (the two kernels)."""
     pytest.importorskip("triton")
     from pagedfuse.ops.backends import cuda_decode
 
@@ -301,7 +301,9 @@ def test_windowed_calls_take_the_fast_kernels():
                       dtype=torch.bfloat16, device="cuda").call(max_seq_len=256,
                                                                  max_query_len=1)
     assert plan == cuda_decode.make_plan(short)
-    prompt = make_case(seq_lens=(5000, 300), q_lens=(700, 1), num_q_heads=32, num_kv_heads=8,
-                       head_dim=128, dtype=torch.bfloat16, window_left=256, softcap=30.0,
-                       device="cuda")
-    assert choose(prompt.call()).name == "triton_prefill"
+    spec = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                window_left=256, softcap=30.0, device="cuda")
+    prompts = make_case(seq_lens=(5000, 800), q_lens=(700, 700), **spec)
+    assert choose(prompts.call(max_query_len=700)).name == "triton_prefill"
+    beside_decode = make_case(seq_lens=(5000, 300), q_lens=(700, 1), **spec)
+    assert choose(beside_decode.call()).name == "mixed_batch"
