@@ -14,7 +14,10 @@ triton.testing.do_bench (its L2 clear between calls). TFLOP/s counts causal pair
 (4 * D * Hq per pair); for INT8 entries it is TOP/s of the same count. Errors are
 ||out - ref|| / ||ref|| against fp32 attention on the unquantized K/V; for INT8 entries
 "deq err" is the error of fp32 dequantize-then-attend on the same INT8 cache (the
-quantization's own share).
+quantization's own share). Beside the cases (unless --no-mixed): the mixed batch (MIXED: decode
+rows and prompt chunks in one call, against its parts alone) and the packed batch under a
+mask (PACKED_BIAS: transformers' continuous batching at a prefill step, the mask as attn_bias
+against the same keys called causal and against the gather + SDPA it replaces).
 
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
@@ -60,6 +63,10 @@ SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the u
 SHORT_CASE = (64, 8192, 4)
 # the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
 MIXED = {"decode_rows": 60, "chunks": 2, "chunk": 512, "history": 8192}
+# transformers' continuous batching at a prefill step: (query tokens, keys read, keys that
+# exist), every request packed into one sequence read through a per-token index (page 1)
+# under an additive mask (0 / finfo.min, causal; keys past the last existing one padding)
+PACKED_BIAS = ((4096, 4096, 4096), (4096, 4608, 4096), (2048, 8192, 6144))
 PAGE = 16
 KINDS = ("bf16", "int8_k", "int8_kv")
 DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
@@ -580,6 +587,54 @@ def run_mixed(args) -> list[dict]:
     return rows
 
 
+def packed_bias(geo: tuple[int, int, int], tokens: int, keys: int, real: int) -> dict:
+    """ms of the op on PACKED_BIAS's call with its mask as attn_bias, of the op on the same
+    keys told causal instead (what the mask means), and of the gather + SDPA with the mask
+    that the rewrite replaces (SDPA's own backend choice)."""
+    hq, hkv, d = geo
+    kc, vc = (torch.randn(2 * keys, 1, hkv, d, device=DEVICE, dtype=torch.bfloat16)
+              for _ in "kv")
+    q = torch.randn(tokens, hq, d, device=DEVICE, dtype=torch.bfloat16)
+    index = torch.randperm(2 * keys, device=DEVICE)[:keys]
+    i = torch.arange(tokens, device=DEVICE)[:, None] + real - tokens
+    j = torch.arange(keys, device=DEVICE)[None, :]
+    mask = torch.zeros(tokens, keys, device=DEVICE, dtype=torch.bfloat16).masked_fill(
+        (j > i) | (j >= real), torch.finfo(torch.bfloat16).min)[None, None]
+    table = index.to(torch.int32)[None]
+    starts = torch.tensor([0, tokens], device=DEVICE, dtype=torch.int32)
+    scale = 1 / math.sqrt(d)
+
+    def op(causal: bool) -> Callable[[], torch.Tensor]:
+        lens = torch.tensor([real if causal else keys], device=DEVICE, dtype=torch.int32)
+        bias = None if causal else mask
+        return lambda: OPS.paged_attention(q, kc, vc, table, lens, starts, scale, causal, bias,
+                                           keys, tokens)
+
+    def eager() -> torch.Tensor:
+        k, v = (c[index, 0].transpose(0, 1)[None].repeat_interleave(hq // hkv, dim=1)
+                for c in (kc, vc))
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
+                                              scale=scale)
+
+    return {"op, mask as attn_bias": bench_ms(op(False)), "op, causal": bench_ms(op(True)),
+            "gather + SDPA with the mask": bench_ms(eager)}
+
+
+def run_packed_bias(args) -> list[dict]:
+    rows = []
+    for gname in args.mixed_geometries:
+        for tokens, keys, real in PACKED_BIAS:
+            row = {"geometry": gname, "case": "packed bias", "tokens": tokens, "keys": keys,
+                   "real_keys": real}
+            try:
+                row.update(packed_bias(GEOMETRIES[gname], tokens, keys, real))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def sweep_shapes(head_dim: int) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, num_warps, num_stages) candidates: prefill_asm.sweep_plans's."""
     from prefill_asm import sweep_plans
@@ -688,8 +743,10 @@ def main() -> None:
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
                     default=list(CASES), help="batch,seq_len,q_len ...")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed batch")
-    ap.add_argument("--mixed-geometries", nargs="+", default=["llama3_8b"])
+    ap.add_argument("--no-mixed", action="store_true",
+                    help="skip the mixed batch and the packed batch under a mask")
+    ap.add_argument("--mixed-geometries", nargs="+", default=["llama3_8b"],
+                    help="geometries of the mixed batch and the packed batch under a mask")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS),
                     help="cache kinds the tile-shape sweep times (the short-query one: all)")
     ap.add_argument("--pv-int8", action="store_true", help="also time P·V as an int8 dot")
@@ -741,6 +798,7 @@ def main() -> None:
         print(table(rows))
         if not args.no_mixed:
             env["mixed"] = run_mixed(args)
+            env["packed_bias"] = run_packed_bias(args)
         try:
             env["compiled_mma"] = compiled_mma()
             print("compiled prefill kernels' MMA:", sorted({m for r in env["compiled_mma"]

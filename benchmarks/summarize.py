@@ -162,6 +162,13 @@ def prefill(record: dict) -> tuple[str, str]:
     if mixed:
         note += (" Mixed batch (decode rows and prompt chunks in one call), ms: "
                  + "; ".join(mixed) + ".")
+    packed = [f"{p['geometry']} {p['tokens']} tokens over {p['keys']} keys: "
+              f"{_ms(p['op, mask as attn_bias'])} (causal instead: {_ms(p['op, causal'])}; "
+              f"gather + SDPA with the mask: {_ms(p['gather + SDPA with the mask'])})"
+              for p in env.get("packed_bias", []) if "error" not in p]
+    if packed:
+        note += (" One packed sequence under an additive causal mask (transformers' continuous"
+                 " batching at a prefill step), the op's ms: " + "; ".join(packed) + ".")
     return ran_on, note + "\n\n" + table(head, rows)
 
 
@@ -329,13 +336,19 @@ def hf(record: dict) -> tuple[str, str]:
              f"{r['decode_tok_s']:,.0f}", f"{r['step_ms']:.2f}",
              "n/a" if r["first_run_s"] is None else f"{r['first_run_s']:.1f}"]
             for r in record["rows"]]
-    base, fused = (r["decode_tok_s"] for r in record["rows"])
+    base, fused = record["rows"]
     head = ["backend", "time to first token, ms (median / last)", "decode tok/s",
             "ms per decode step", "first (compiling) run s"]
     same = {True: "yes", False: "no (bf16 on a random model: near-tied logits)",
             None: "not recorded"}[record["same_tokens"]]
-    return ran_on, (table(head, rows) + f"\n\npagedfuse / inductor: {fused / base:.2f}x; same "
-                    f"tokens with and without pagedfuse: {same}")
+    speedup = fused["decode_tok_s"] / base["decode_tok_s"]
+    ratios = f"pagedfuse / inductor decode throughput: {speedup:.2f}x"
+    if "ttft_ms" in base:
+        median, last = (fused[k] / base[k] for k in ("ttft_ms", "last_ttft_ms"))
+        ratios += f"; time to first token against inductor's, median: {median:.2f}x, " \
+            f"last: {last:.2f}x"
+    return ran_on, table(head, rows) + f"\n\n{ratios}; same tokens with and without " \
+        f"pagedfuse: {same}"
 
 
 def cpu_decode(record: dict) -> tuple[str, str]:
