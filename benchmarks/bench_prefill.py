@@ -718,14 +718,16 @@ def plot(rows: list[dict], path: str) -> None:
     by = {(r["geometry"], r["batch"], r["seq_len"], r["q_len"], r["method"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(max(10, 1.1 * len(cases)), 5))
     width = 0.85 / len(names)
+    colors = plt.get_cmap("tab20").colors  # distinct up to 20 entries (tab10 repeats at 11)
     for i, n in enumerate(names):
         ys = [by.get((*c, n), {}).get("tflops", 0.0) for c in cases]
-        ax.bar([x + i * width for x in range(len(cases))], ys, width, label=n)
+        ax.bar([x + i * width for x in range(len(cases))], ys, width, label=n,
+               color=colors[i % len(colors)])
     ax.set_xticks([x + 0.425 for x in range(len(cases))])
     ax.set_xticklabels([f"{g}\n{b}x{s} q{q}" for g, b, s, q in cases], fontsize=7)
     ax.set_ylabel("TFLOP/s (TOP/s for INT8), causal pairs")
     ax.set_title("Paged prefill on the H200, bf16 page 16 (bench_prefill.py)")
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
