@@ -112,6 +112,32 @@ def test_biases_that_hide_key_tiles(name, batch, causal):
 
 
 @cuda
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_key_tiles_a_bias_hides_are_not_read(which):
+    """Bias spans' stated difference from eager SDPA: a NaN in K or V at a key the bias hides
+    from every row, in a key tile no row sees, does not reach the output (the reference adds
+    -inf to the NaN score, or multiplies the NaN value by weight 0, and gives NaN); the
+    output equals the reference of the cache without it."""
+    from helpers.cases import poison_kv
+
+    case = varlen_case([40], [260], num_q_heads=16, num_kv_heads=4, head_dim=128,
+                       num_blocks=40)
+    table = case.block_table.clone()  # distinct blocks: the poisoned slot is key 5's alone
+    table[0, :19] = torch.randperm(40, generator=torch.Generator().manual_seed(2))[:19].to(table)
+    bias = torch.zeros(40, 300)
+    bias[:, :200] = -math.inf
+    case = case.with_(attn_bias=bias.to(torch.bfloat16).cuda(), block_table=table)
+    clean = case.reference()
+    block = int(case.block_table[0, 0]) % case.key_cache.shape[0]
+    poison_kv(case, which, block, 5, math.nan)
+    assert case.reference().isnan().any()
+    for plan in (None, pp.PrefillPlan(block_m=16, block_n=16, num_warps=4, splits=3)):
+        out = run_prefill(case, plan)
+        assert not out.isnan().any(), plan
+        assert rel_err(out.cpu(), clean) < TOL[torch.bfloat16], plan
+
+
+@cuda
 @pytest.mark.parametrize("shape", [(1, 1, 300, 2500), (2, 3, 5, 40), (1, 1, 7, 1)])
 def test_bias_spans_read_the_bias(shape):
     """bias_spans against a torch reading of the same bias: first visible key, one past the

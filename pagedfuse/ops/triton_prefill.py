@@ -51,7 +51,9 @@ with a zero bias unmasked (no bias loads), as it does for causal masks: a causal
 block-diagonal mask given as a bias (transformers' continuous batching) costs what causal
 masking costs. Skipping is exact: a hidden key's weight exp2(s + bias - max) is 0 in fp32
 beside a visible key while |scores| stay below 1e22, and a row with no visible key keeps
-every key (eager SDPA averages them), so its tile skips nothing.
+every key (eager SDPA averages them), so its tile skips nothing. What it changes: a NaN or
+Inf in K or V inside a skipped tile reaches no row, where eager SDPA's NaN + -inf or
+0 * NaN makes the row NaN (as a bool mask's dropped scores below).
 
 INT8 K: Q is quantized once per (token, head) (quantize_int8); Q·K^T is an int8 ``tl.dot``
 with int32 accumulation, and q_scale * k_scale * softmax scale is applied per score before
