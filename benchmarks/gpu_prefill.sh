@@ -25,6 +25,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 echo "== pytest: the prefill kernels' GPU tests ($SECONDS s)"
 timeout "${TEST_S:-150}" $PY -m pytest -q -p no:cacheprovider -n 8 -m cuda \
   tests/test_prefill_cuda.py tests/test_gluon_prefill.py tests/test_backends.py \
+  tests/test_mixed_batch.py \
   >"$OUT/pytest_prefill.log" 2>&1 || { echo "pytest FAILED"; status=1; }
 tail -25 "$OUT/pytest_prefill.log"
 
