@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -465,7 +466,7 @@ def run_sweep(args) -> list[dict]:
 
 
 def run_gluon_sweep(args) -> list[dict]:
-    """Time the Gluon "ws" kernel's keys per tile x buffers (the choices behind
+    """Time the Gluon "ws" kernel's keys per tile x buffers x K/V rings (the choices behind
     backends/gluon_prefill.WS_TILES) per geometry and cache kind; a plan whose buffers
     exceed the shared memory records the compiler's error."""
     from pagedfuse.ops.backends import gluon_prefill as gb
@@ -479,22 +480,22 @@ def run_gluon_sweep(args) -> list[dict]:
             out = torch.empty_like(case.q)
             for kind in args.kinds:
                 call = case.call(kind)
-                for block_n in gb.BLOCK_NS:
-                    for stages in range(2, 6):
-                        if time.time() > deadline:
-                            break
-                        row = {"geometry": gname, "geo": list(case.geo), "batch": batch,
-                               "seq_len": seq_len, "q_len": q_len, "kind": kind,
-                               "block_n": block_n, "stages": stages}
-                        try:
-                            plan = gb.make_plan(call, block_n=block_n, stages=stages)
-                            row["ms"] = bench_ms(
-                                lambda p=plan, c=call, o=out: prefill_into(c, o, p))
-                            row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
-                        except Exception as exc:  # no such plan, or out of shared memory
-                            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                for block_n, stages, kv_rings in itertools.product(gb.BLOCK_NS, range(2, 6),
+                                                                   (False, True)):
+                    if time.time() > deadline:
+                        break
+                    row = {"geometry": gname, "geo": list(case.geo), "batch": batch,
+                           "seq_len": seq_len, "q_len": q_len, "kind": kind,
+                           "block_n": block_n, "stages": stages, "kv_rings": kv_rings}
+                    try:
+                        plan = gb.make_plan(call, block_n=block_n, stages=stages,
+                                            kv_rings=kv_rings)
+                        row["ms"] = bench_ms(lambda p=plan, c=call, o=out: prefill_into(c, o, p))
+                        row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
+                    except Exception as exc:  # no such plan, or out of shared memory
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del case
             torch.cuda.empty_cache()
     return rows

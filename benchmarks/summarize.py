@@ -183,15 +183,17 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
     for r in record["rows"]:
         if "ms" in r:
             key = (r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"])
-            cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}"] = r["ms"]
+            rings = " rings" if r.get("kv_rings") else ""
+            cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}{rings}"] = r["ms"]
     rows = []
     for key, times in cells.items():
         best = min(times, key=times.get)
         rows.append([*key, ", ".join(f"**{t}: {_ms(ms)}**" if t == best else f"{t}: {_ms(ms)}"
                                      for t, ms in times.items())])
     note = ("ms per call (do_bench medians, the query's quantization included) by keys per "
-            "tile / buffers; backends/gluon_prefill.py's WS_TILES takes the fastest per cache "
-            "kind and head_dim.")
+            "tile / buffers (\"rings\": K and V buffers released apart); "
+            "backends/gluon_prefill.py's WS_TILES takes the fastest per cache kind and "
+            "head_dim.")
     return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "keys / buffers: ms"],
                                           rows)
 

@@ -84,17 +84,17 @@ def test_other_head_dims_are_declined(gb):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
     """One kernel for every cache kind: the default plan is "ws" with the kind's tiles (the
-    fastest measured: four buffers of 64 keys for 16-bit K/V at head_dim 128, of 32 at 256),
-    served for both ops."""
+    fastest measured: four buffers of 64 keys for 16-bit K/V at head_dim 128, two of 64 in
+    separate K and V rings at 256), served for both ops."""
     call = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim).call()
     assert gb.call_unsupported(call) is None
     plan = gb.default_plan(call)
     assert (plan.pipeline, plan.block_m, plan.pack) == ("ws", 128, 1)
     want = {(64, "float"): (128, 4), (64, "int8_k"): (128, 4), (64, "int8_kv"): (64, 5),
             (128, "float"): (64, 4), (128, "int8_k"): (128, 4), (128, "int8_kv"): (64, 4),
-            (256, "float"): (32, 4), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
-    want = want[head_dim, kind]
-    assert (plan.block_n, plan.stages) == want
+            (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
+    assert (plan.block_n, plan.stages) == want[head_dim, kind]
+    assert plan.kv_rings == ((head_dim, kind) == (256, "float"))
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
 
@@ -227,6 +227,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(stages=1), "plan: stages 1 must be >= 2 for pipeline 'ws'"),
     (dict(pipeline="cp", stages=2), "plan: stages 2 must be >= 3 for pipeline 'cp'"),
     (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
+    (dict(pipeline="cp", kv_rings=True), "plan: kv_rings: the 'cp' pipeline has one ring"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
                                      "to 128, not 256"),
 ])
@@ -275,7 +276,8 @@ CASES = {
 PIPELINES = ("ws", "cp")
 # other tile shapes, on one case (each plan is its own compile): one consumer warpgroup
 # (ws) or 4 warps (cp), and 64-key tiles
-VARIANTS = {"ws": (dict(block_m=64), dict(block_n=64, stages=4)),
+VARIANTS = {"ws": (dict(block_m=64), dict(block_n=64, stages=4),
+                   dict(block_n=64, stages=2, kv_rings=True)),
             "cp": (dict(block_m=64), dict(block_n=64, stages=4))}
 
 
@@ -344,6 +346,24 @@ def test_every_cache_kind_matches_the_reference(gb, name, monkeypatch):
     assert numerics.rel_err(got, want) <= tol
     monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
     assert numerics.rel_err(case.run_op(**hints), want) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size):
+    """K and V buffers released apart (kv_rings), two of each, in every cache kind: the
+    scales travel on their own cache's barrier, and the tile past a sequence's last key
+    (cp.async, zero-filled) is signalled on each."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([1, 4, 17, 300], [1000, 0, 1, 200], device="cuda", seed=3, kind=kind,
+                  block_size=block_size)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    plan = gb.make_plan(case.call(**hints), block_n=64, stages=2, kv_rings=True)
+    got = case.run_backend(gb.BACKEND, plan, **hints)
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    assert numerics.rel_err(got, case.reference()) <= tol
 
 
 @pytest.mark.cuda

@@ -63,6 +63,7 @@ def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon
     from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton_prefill
 
     ran = []
+    monkeypatch.setattr(mb, "_PARTS", {})  # run's parts per signature: these are recorders
     monkeypatch.setattr(cuda_decode, "rows_unsupported", lambda call: None)
     monkeypatch.setattr(gluon_prefill, "supports", lambda call: None)
     monkeypatch.setattr(gluon_prefill, "slower", lambda call: gluon_reason)
@@ -79,6 +80,27 @@ def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon
     assert ran == ["decode", prefill]
     with pytest.raises(TypeError, match="plan: the mixed_batch backend takes none"):
         mb.run(call, torch.empty_like(case.query), plan=object())
+
+
+def test_run_works_out_a_signatures_parts_once(mb, monkeypatch):
+    """An eager call's parts are cached per call signature (its Geometry) and hints, as the
+    registry caches its choice: the checks run on the first call only, and a call with
+    other hints is worked out anew."""
+    from pagedfuse.ops.backends import cuda_decode, triton_prefill
+
+    ran, asked = [], []
+    monkeypatch.setattr(mb, "parts", lambda call: asked.append(call.max_query_len) or (
+        lambda c, out: ran.append("decode"), lambda c, out: ran.append("prefill")))
+    monkeypatch.setattr(mb, "_PARTS", {})
+    case = make_case(seq_lens=[60, 90, 51], q_lens=[1, 40, 1], head_dim=128,
+                     dtype=torch.bfloat16)
+    call = case.call(max_query_len=40)
+    out = torch.empty_like(case.query)
+    for _ in range(3):
+        mb.run(call, out)
+    mb.run(call._replace(max_query_len=None), out)
+    assert asked == [40, None] and ran == ["decode", "prefill"] * 4
+    assert cuda_decode.run_rows is not None and triton_prefill.run_longer is not None
 
 
 def _mixed(kind: str, head_dim: int = 128):

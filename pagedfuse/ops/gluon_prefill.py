@@ -25,7 +25,11 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   intra-warpgroup overlap); two consumers take turns issuing (two ``turn`` mbarriers: FA3's
   ping-pong), so one's softmax runs while the other's wgmma do. A consumer releases a
   buffer (``empty``) once its P·V on it is done; with INT8 V, once it has widened the
-  tile's V into its own fp16 copy (below), which the next P·V reads.
+  tile's V into its own fp16 copy (below), which the next P·V reads. With ``KV_RINGS``
+  (``GluonPlan.kv_rings``) K and V buffers have barriers of their own: a K buffer goes
+  back once its Q·K^T and softmax are done, a tile before its V buffer, so that two
+  buffers of longer tiles keep the producer ahead where shared memory holds no third
+  (the extra barrier work per tile costs where it does not).
 - ``"cp"`` (gluon_prefill_kernel): one partition of ``block_m // 16`` warps; K, V and the
   key scales gathered through the block table with cp.async (any page size and stride),
   ``stages`` buffers deep (tile i in buffer i % stages; the copy of tile j + stages - 1 is
@@ -262,7 +266,8 @@ def _copy_tail(buf, r, desc, ptr, st, bt_row_ptr, start, end, kvh, num_blocks, s
 
 @gluon.jit
 def _store_scales(ks_smem, vs_smem, i, k_scale, v_scale):
-    """A tile's key and value scales (None: that cache is 16-bit) into buffer ``i``."""
+    """A tile's key and value scales (None: that cache is 16-bit, or not this tile's) into
+    buffer ``i``."""
     if k_scale is not None:
         ks_smem.index(i).store(k_scale)
     if v_scale is not None:
@@ -270,17 +275,66 @@ def _store_scales(ks_smem, vs_smem, i, k_scale, v_scale):
 
 
 @gluon.jit
-def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr):
-    """One warp: fills buffer j % STAGES with key tile j once the consumers released it."""
-    (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
-     vs_smem, ready, empty, seq_len, num_tiles, kvh, num_blocks, k_st, v_st, ks_st, vs_st,
-     stride_btn) = args
+def _page_boxes(cache, bar, page_blk, slot, p, BOX: gl.constexpr):
+    """The TMA boxes of one page of a tile: ``cache`` is (buffer, TMA view, pointer, strides,
+    view rows per block, the head's first row, its column)."""
+    buf = cache[0]
+    desc = cache[1]
+    W: gl.constexpr = desc.block_type.shape[1]
+    row = page_blk * cache[4] + cache[5] + slot
+    for c in gl.static_range(buf.type.shape[1] // W):
+        tma.async_copy_global_to_shared(desc, [row, cache[6] + c * W], bar,
+                                        _box(buf, c, p * BOX, BOX, desc))
+
+
+@gluon.jit
+def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, k_scale, v_scale,
+          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N: gl.constexpr,
+          PAGE: gl.constexpr, SCALED: gl.constexpr):
+    """Key tile ``start`` of the K cache ``k`` and the V cache ``v`` (``_page_boxes``'
+    tuples; None: not this call's) into their buffers ``i``, signalling ``bar``: a TMA box
+    per page and swizzle span, or for the tile that reaches past the sequence's last key
+    cp.async, zero-filled past it (a slot there may hold any bits); then the scales."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    KW: gl.constexpr = k_desc.block_type.shape[1]
-    VW: gl.constexpr = v_desc.block_type.shape[1]
-    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * (k_desc.dtype.primitive_bitwidth
-                                                     + v_desc.dtype.primitive_bitwidth) // 8
+    if start + BLOCK_N <= seq_len:
+        mbarrier.expect(bar, TILE_BYTES)
+        for p in gl.static_range(BLOCK_N // BOX):
+            key = start + p * BOX
+            page_blk = _cache_blocks(gl.load(bt_row_ptr + (key // PAGE) * stride_btn),
+                                     num_blocks).to(gl.int32)
+            if k is not None:
+                _page_boxes(k, bar, page_blk, key % PAGE, p, BOX)
+            if v is not None:
+                _page_boxes(v, bar, page_blk, key % PAGE, p, BOX)
+        _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)
+    else:  # the tile past the sequence's last key, zero-filled there
+        _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)  # (0 there; first: registers)
+        for r in gl.static_range(0, BLOCK_N, 8):
+            if k is not None:
+                _copy_tail(k[0], r, k[1], k[2], k[3], bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
+            if v is not None:
+                _copy_tail(v[0], r, v[1], v[2], v[3], bt_row_ptr, start, seq_len, kvh,
+                           num_blocks, stride_btn, PAGE)
+        cp.commit_group()
+        cp.wait_group(0)
+        fence_async_shared()  # the wgmma read K and V through the async proxy
+        mbarrier.arrive(bar, count=1)
+    if SCALED:
+        mbarrier.arrive(bar, count=1)  # the scales are in
+
+
+@gluon.jit
+def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr, KV_RINGS: gl.constexpr):
+    """One warp: fills buffer j % STAGES with key tile j once the consumers released it.
+    KV_RINGS: K and V buffers come back separately (K after Q·K^T and the softmax, V after
+    P·V), each signalled by its own barrier; otherwise one barrier pair serves both."""
+    (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
+     vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks, k_st,
+     v_st, ks_st, vs_st, stride_btn) = args
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
+    V_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * v_desc.dtype.primitive_bitwidth // 8
     SCALED: gl.constexpr = ks_ptr is not None or vs_ptr is not None
     KEYS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
     # where the page (block, kvh) starts in the TMA views: row block * per_block + row0,
@@ -293,6 +347,7 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
     v_col = ((kvh * v_st[2]) % v_st[1]).to(gl.int32)
     for j in range(num_tiles):
         i = j % STAGES
+        phase = ((j // STAGES) & 1) ^ 1
         start = j * BLOCK_N
         # the scales (of a tile in the sequence), loaded before waiting for the buffer so
         # that their latency overlaps the wait
@@ -309,39 +364,21 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
             v_scale: gl.constexpr = None
         else:
             v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
-        mbarrier.wait(empty.index(i), ((j // STAGES) & 1) ^ 1)
-        k_buf = k_smem.index(i)
-        v_buf = v_smem.index(i)
-        bar = ready.index(i)
-        if start + BLOCK_N <= seq_len:
-            mbarrier.expect(bar, TILE_BYTES)
-            for p in gl.static_range(BLOCK_N // BOX):
-                key = start + p * BOX
-                page_blk = _cache_blocks(gl.load(bt_row_ptr + (key // PAGE) * stride_btn),
-                                         num_blocks).to(gl.int32)
-                slot = key % PAGE
-                k_row = page_blk * k_per_block + k_row0 + slot
-                v_row = page_blk * v_per_block + v_row0 + slot
-                for c in gl.static_range(HEAD_DIM // KW):
-                    tma.async_copy_global_to_shared(k_desc, [k_row, k_col + c * KW], bar,
-                                                    _box(k_buf, c, p * BOX, BOX, k_desc))
-                for c in gl.static_range(HEAD_DIM // VW):
-                    tma.async_copy_global_to_shared(v_desc, [v_row, v_col + c * VW], bar,
-                                                    _box(v_buf, c, p * BOX, BOX, v_desc))
-            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)
-        else:  # the tile past the sequence's last key, zero-filled there
-            _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)  # (0 there; first: registers)
-            for r in gl.static_range(0, BLOCK_N, 8):
-                _copy_tail(k_buf, r, k_desc, k_ptr, k_st, bt_row_ptr, start, seq_len, kvh,
-                           num_blocks, stride_btn, PAGE)
-                _copy_tail(v_buf, r, v_desc, v_ptr, v_st, bt_row_ptr, start, seq_len, kvh,
-                           num_blocks, stride_btn, PAGE)
-            cp.commit_group()
-            cp.wait_group(0)
-            fence_async_shared()  # the wgmma read K and V through the async proxy
-            mbarrier.arrive(bar, count=1)
-        if SCALED:
-            mbarrier.arrive(bar, count=1)  # the scales are in
+        mbarrier.wait(k_empty.index(i), phase)
+        k = (k_smem.index(i), k_desc, k_ptr, k_st, k_per_block, k_row0, k_col)
+        v = (v_smem.index(i), v_desc, v_ptr, v_st, v_per_block, v_row0, v_col)
+        if KV_RINGS:
+            _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, k_scale, None,
+                  bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N, PAGE,
+                  ks_ptr is not None)
+            mbarrier.wait(v_empty.index(i), phase)
+            _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, None, v_scale,
+                  bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N, PAGE,
+                  vs_ptr is not None)
+        else:
+            _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, k_scale,
+                  v_scale, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
+                  PAGE, SCALED)
 
 
 @gluon.jit
@@ -407,30 +444,29 @@ def _v_tile(v_smem, v16, i):
 
 
 @gluon.jit
-def _release_v(v_smem, v16, empty, i, WIDEN: gl.constexpr):
+def _release_v(v_smem, v16, v_empty, i, WIDEN: gl.constexpr):
     """With an INT8 V cache: tile ``i``'s V to the fp16 copy, then its buffer back to the
-    producer (its Q·K^T is done too); otherwise the buffer goes back after the P·V that
-    reads it."""
+    producer; otherwise the buffer goes back after the P·V that reads it."""
     if v16 is not None:
         _widen(v_smem.index(i), v16, WIDEN)
-        mbarrier.arrive(empty.index(i), count=1)
+        mbarrier.arrive(v_empty.index(i), count=1)
 
 
 @gluon.jit
-def _release_after_pv(empty, i, v16):
+def _release_after_pv(v_empty, i, v16):
     if v16 is None:
-        mbarrier.arrive(empty.index(i), count=1)
+        mbarrier.arrive(v_empty.index(i), count=1)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr):
+              CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over every key tile (``args``:
     one tuple for both consumers, since a partition's arguments cannot be spliced)."""
-    (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, ready, empty,
-     turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h,
-     stride_qt, stride_qh, stride_qst, stride_qsh) = args
+    (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
+     v_ready, k_empty, v_empty, turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len,
+     ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst, stride_qsh) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
@@ -465,7 +501,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, PV)
     if num_tiles > 0:
-        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(k_ready.index(0), 0)
         _take_turn(turn, WG, 0, CONSUMERS)
         s_tok = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
@@ -473,12 +509,16 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
                                      row_end, 0, full, cols, BLOCK_N)
+        if KV_RINGS:  # K and its scales are read; V has its own barrier
+            mbarrier.arrive(k_empty.index(0), count=1)
+            mbarrier.wait(v_ready.index(0), 0)
         p16 = _p_operand(p, vs_smem, 0, QK, P_OP, PV_T)
-        _release_v(v_smem, v16, empty, 0, COPY)
+        _release_v(v_smem, v16, v_empty, 0, COPY)
         for j in range(1, num_tiles):
             cur = j % STAGES
             prev = (j - 1) % STAGES
-            mbarrier.wait(ready.index(cur), (j // STAGES) & 1)
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(cur), phase)
             _take_turn(turn, WG, j, CONSUMERS)
             # tile j's Q·K^T and tile j-1's P·V back to back; the softmax of tile j then
             # runs while P·V is on the tensor cores
@@ -489,17 +529,21 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
                                          row_end, j * BLOCK_N, full, cols, BLOCK_N)
+            if KV_RINGS:
+                mbarrier.arrive(k_empty.index(cur), count=1)
             acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-            _release_after_pv(empty, prev, v16)
+            _release_after_pv(v_empty, prev, v16)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
+            if KV_RINGS:
+                mbarrier.wait(v_ready.index(cur), phase)
             p16 = _p_operand(p, vs_smem, cur, QK, P_OP, PV_T)
-            _release_v(v_smem, v16, empty, cur, COPY)
+            _release_v(v_smem, v16, v_empty, cur, COPY)
         last = (num_tiles - 1) % STAGES
         _take_turn(turn, WG, num_tiles, CONSUMERS)
         acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, last), acc, is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-        _release_after_pv(empty, last, v16)
+        _release_after_pv(v_empty, last, v16)
     _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
                 HEAD_DIM, PV, COPY)
 
@@ -514,6 +558,7 @@ def ws_prefill_kernel(
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    KV_RINGS: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
     partition), plus consumer 1 (BLOCK_M 128) and the producer warp. The caches' kinds come
@@ -553,37 +598,50 @@ def ws_prefill_kernel(
         v16_smem = gl.allocate_shared_memory(
             gl.float16, [CONSUMERS, BLOCK_N, HEAD_DIM],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # the TMA copies, and the scales' stores where the caches have scales
-        mbarrier.init(ready.index(i), count=1 if ks_ptr is None and vs_ptr is None else 2)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
+    BARS: gl.constexpr = mbarrier.MBarrierLayout()
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], BARS)
+    # the TMA copies (or the tail's cp.async), and the scales' stores where there are scales
+    if KV_RINGS:
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1 if ks_ptr is None else 2)
+            mbarrier.init(v_ready.index(i), count=1 if vs_ptr is None else 2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    else:  # one barrier pair per buffer serves K and V
+        v_ready = k_ready
+        v_empty = k_empty
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1 if ks_ptr is None and vs_ptr is None else 2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
     loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
-             vs_smem, ready, empty, seq_len, num_tiles, kvh, num_blocks,
+             vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks,
              (stride_kb, stride_kt, stride_kh), (stride_vb, stride_vt, stride_vh),
              (stride_ksb, stride_kst, stride_ksh), (stride_vsb, stride_vst, stride_vsh),
              stride_btn)
-    rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, ready,
-            empty, turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len, ctx, hi,
-            num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst, stride_qsh)
+    rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
+            v_ready, k_empty, v_empty, turn, sm_scale_log2, num_q_heads, q_start, q_len,
+            seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
+            stride_qsh)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D)),
+                         COPY_TPW_D, KV_RINGS)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
+                         COPY_TPW_D, KV_RINGS)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES)),
+                         COPY_TPW_D, KV_RINGS)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -774,7 +832,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         tensors.append(vs)
         strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                       maxnreg=plan.maxnreg)
+                       KV_RINGS=plan.kv_rings, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), min_query_len)

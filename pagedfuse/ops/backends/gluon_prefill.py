@@ -51,17 +51,23 @@ PIPELINES = ("ws", "cp")
 # one while the consumers read the other
 MIN_STAGES = {"ws": 2, "cp": 3}
 SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA box's width
-# "ws" keys per tile and buffers by (call.kind, head_dim): the fastest of those timed on the
-# H200 that fit sm_90's 227 KB of shared memory (2-3 candidates per kind among block_n
-# 32/64/128 x 2-8 buffers, on bench_prefill.py's geometries and cases;
-# benchmarks/results/gluon_tiles_h200_2026-12-02.json). More, shorter tiles won where only
-# 2-3 buffers fit: a consumer hands each buffer back to the producer sooner (16-bit K/V at
-# head_dim 128: 64 x 4 took 0.65-0.79x the time of 128 x 2; at 256: 32 x 4 took 0.83-0.90x
-# that of 64 x 2)
+# "ws" keys per tile, buffers and whether K and V have rings of their own (kv_rings), by
+# (call.kind, head_dim): the fastest of those timed on the H200 that fit sm_90's 227 KB of
+# shared memory (2-3 candidates per kind among block_n 32/64/128 x 2-8 buffers, on
+# bench_prefill.py's geometries and cases; benchmarks/results/gluon_tiles_h200_2026-12-02.json).
+# More, shorter tiles won where only 2-3 buffers fit: a consumer hands each buffer back to
+# the producer sooner (16-bit K/V at head_dim 128: 64 x 4 took 0.65-0.79x the time of
+# 128 x 2; at 256: 32 x 4 took 0.83-0.90x that of 64 x 2). Separate K and V rings hand the
+# K buffer back a tile earlier, which lets 16-bit K/V at head_dim 256 run 64 x 2: 0.87-0.90x
+# the time of 32 x 4 (qwen35, 8K prompt and eight 2K ones); they cost 0-11% on every other
+# default tile, and 128 x 2 at head_dim 128 gained nothing
+# (benchmarks/results/probes_h200_2026-12-02_rings.json)
 WS_TILES = {
-    ("float", 64): (128, 4), ("int8_k", 64): (128, 4), ("int8_kv", 64): (64, 5),
-    ("float", 128): (64, 4), ("int8_k", 128): (128, 4), ("int8_kv", 128): (64, 4),
-    ("float", 256): (32, 4), ("int8_k", 256): (64, 3), ("int8_kv", 256): (64, 3),
+    ("float", 64): (128, 4, False), ("int8_k", 64): (128, 4, False),
+    ("int8_kv", 64): (64, 5, False), ("float", 128): (64, 4, False),
+    ("int8_k", 128): (128, 4, False), ("int8_kv", 128): (64, 4, False),
+    ("float", 256): (64, 2, True), ("int8_k", 256): (64, 3, False),
+    ("int8_kv", 256): (64, 3, False),
 }
 # "ws" registers per thread (setmaxnreg): the producer warp needs few, and a consumer holds
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
@@ -87,14 +93,16 @@ MAX_HEAD_DIM_64_ROWS = 128
 class GluonPlan:
     """Launch choices: the kernel (``pipeline``, see the module docstring), rows per tile
     (``block_m``, 64 per warpgroup), query heads packed into a tile's rows token-major
-    (``pack``, a divisor of the GQA group), keys per step (``block_n``) and shared-memory
-    buffers per key tile (``stages``)."""
+    (``pack``, a divisor of the GQA group), keys per step (``block_n``), shared-memory
+    buffers per key tile (``stages``) and, for "ws", whether K and V buffers are released
+    apart (``kv_rings``, each with its own barriers)."""
 
     block_m: int = 128
     pack: int = 1
     block_n: int = 128
     stages: int = 3
     pipeline: str = "ws"
+    kv_rings: bool = False
 
     @property
     def tokens(self) -> int:
@@ -123,18 +131,18 @@ def default_plan(call: PagedCall) -> GluonPlan:
     else "cp" (for a call "cp" does not run, ``call_unsupported`` says why)."""
     group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
-    block_n, stages = _ws_tiles(call)
+    block_n, stages, kv_rings = _ws_tiles(call)
     one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
-                     stages=stages)
+                     stages=stages, kv_rings=kv_rings)
     if tma_unsupported(call, plan.block_n):
-        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3)
+        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False)
     return plan
 
 
-def _ws_tiles(call: PagedCall) -> tuple[int, int]:
-    """The "ws" kernel's default keys per tile and buffers for ``call``."""
-    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3))
+def _ws_tiles(call: PagedCall) -> tuple[int, int, bool]:
+    """The "ws" kernel's default keys per tile, buffers and kv_rings for ``call``."""
+    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3, False))
 
 
 def _cp_unsupported(call: PagedCall) -> str | None:
@@ -215,6 +223,9 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
                          f"for pipeline {plan.pipeline!r}")
     if plan.pipeline == "ws" and (why := tma_unsupported(call, plan.block_n)):
         raise ValueError(f"plan: pipeline 'ws': {why}")
+    if plan.kv_rings and plan.pipeline != "ws":
+        raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
+                         "and V buffers (kv_rings is for 'ws')")
 
 
 @functools.cache
