@@ -58,9 +58,10 @@ SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA bo
 # More, shorter tiles won where only 2-3 buffers fit: a consumer hands each buffer back to
 # the producer sooner (16-bit K/V at head_dim 128: 64 x 4 took 0.65-0.79x the time of
 # 128 x 2; at 256: 32 x 4 took 0.83-0.90x that of 64 x 2). Separate K and V rings hand the
-# K buffer back a tile earlier, which lets 16-bit K/V at head_dim 256 run 64 x 2: 0.87-0.90x
-# the time of 32 x 4 (qwen35, 8K prompt and eight 2K ones); they cost 0-11% on every other
-# default tile, and 128 x 2 at head_dim 128 gained nothing
+# K buffer back a tile earlier, which lets 16-bit K/V at head_dim 256 run 64 x 2: 0.89-0.96x
+# the time of 32 x 4 (qwen35, all six bench_prefill.py cases); on every other kind's tiles
+# they took 0.94-1.11x the time (below 1 only at q_len 64 on tinyllama), and 128 x 2 at
+# head_dim 128 gained nothing
 # (benchmarks/results/probes_h200_2026-12-02_rings.json)
 WS_TILES = {
     ("float", 64): (128, 4, False), ("int8_k", 64): (128, 4, False),
