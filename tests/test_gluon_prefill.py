@@ -90,8 +90,8 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
     assert gb.call_unsupported(call) is None
     plan = gb.default_plan(call)
     assert (plan.pipeline, plan.block_m, plan.pack) == ("ws", 128, 1)
-    want = {(64, "float"): (128, 4), (64, "int8_k"): (128, 4), (64, "int8_kv"): (64, 5),
-            (128, "float"): (64, 4), (128, "int8_k"): (128, 4), (128, "int8_kv"): (64, 4),
+    want = {(64, "float"): (128, 4), (64, "int8_k"): (128, 4), (64, "int8_kv"): (128, 4),
+            (128, "float"): (64, 4), (128, "int8_k"): (128, 4), (128, "int8_kv"): (128, 3),
             (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
     assert (plan.block_n, plan.stages) == want[head_dim, kind]
     assert plan.kv_rings == ((head_dim, kind) == (256, "float"))
@@ -132,12 +132,34 @@ def test_default_plan(gb, q_lens, group, plan):
     assert cp.num_warps == cp.block_m // 16
 
 
+@pytest.mark.parametrize(("q_lens", "hint", "launches"), [
+    ([300, 2], None, ((64, 4, 1, 0, 16), (128, 1, 3, 17, 0))),  # a packed launch, then the rest
+    ([300, 300], 300, ((128, 1, 3, 0, 0),)),  # the sizes prove the lengths equal
+    ([300], None, ((128, 1, 3, 0, 0),)),  # one sequence
+    ([4, 4, 3], 4, ((64, 4, 1, 0, 0),)),  # every tile is already the packed one
+])
+def test_queries_that_may_differ_get_a_packed_launch_first(gb, q_lens, hint, launches):
+    """default_plans: (block_m, pack, query tiles of the grid, min_q, max_q) per launch."""
+    call = _int8k(q_lens, [10] * len(q_lens), kind="float", num_q_heads=16,
+                  num_kv_heads=4).call(max_query_len=hint)
+    plans = gb.default_plans(call)
+    got = tuple((p.block_m, p.pack, -(-min(call.query_bound, p.max_q or call.query_bound)
+                                       // p.tokens), p.min_q, p.max_q) for p in plans)
+    assert got == launches
+    for p in plans:
+        gb.check_plan(call, p)
+
+
 @pytest.mark.parametrize(("q_lens", "spec", "hint", "why"), [
     ([2048], {}, None, None),  # one sequence: its query is the longest
     ([512, 512], {}, 512, None),  # 1024 tokens = 2 x 512: every query is 512 long
     ([512, 512], {}, None, "1024 tokens in 2 sequences of up to 1024: the query lengths "
-                           "may differ"),  # no hint: the bound is every token
+                           "may differ, where it measured no faster"),  # no hint
     ([512, 100], {}, 512, "612 tokens in 2 sequences of up to 512"),  # a mixed batch
+    # queries that may differ: two launches (default_plans), where they measured faster
+    ([4, 3, 1], dict(kind="float", head_dim=256, num_q_heads=24), None, None),
+    ([512, 100], dict(kind="float", head_dim=256), 512, None),
+    ([4, 3, 1], dict(kind="float"), None, "8 tokens in 3 sequences of up to 8"),
     ([256, 256], {}, 256, "queries of up to 256 tokens: it measured faster from 512 "
                           "(int8_k, head_dim 128)"),
     ([4, 4], dict(kind="float"), 4, None),
@@ -154,8 +176,8 @@ def test_default_plan(gb, q_lens, group, plan):
     ([512], dict(kind="float", head_dim=256), None, None),
 ])
 def test_the_ops_choice_takes_it_where_it_measured_faster(gb, q_lens, spec, hint, why):
-    """FASTER_FROM by cache kind and head_dim, and only where the sizes prove every query
-    the longest (else a short one would take a whole tile)."""
+    """FASTER_FROM by cache kind and head_dim; queries the sizes do not prove equally long
+    only where its launches for them measured faster (UNEQUAL_FASTER)."""
     call = _int8k(q_lens, [100] * len(q_lens), **spec).call(max_query_len=hint)
     got = gb.defers(call)
     assert got is None if why is None else got.startswith(why), got
@@ -423,6 +445,32 @@ def test_rows_without_keys_are_zero_and_no_hint_is_needed(gb, pipeline):
     dead = [0, 1, 5, 6]
     assert not want[dead].any() and not got[dead].any()
     assert numerics.rel_err(got, want) <= numerics.kernel_tolerance(torch.bfloat16, "int8_k")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_queries_that_may_differ_take_a_packed_launch_and_the_main_one(gb, kind, monkeypatch):
+    """No length hints: the sequences of up to 16 tokens (the packed tile's) in one launch,
+    the longer in another, each writing only its own rows; run_longer leaves the one-token
+    sequences' rows as they were; and the op's choice where UNEQUAL_FASTER says."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([1, 4, 16, 17, 130], [1000, 0, 40, 1, 200], kind=kind, device="cuda",
+                  seed=3)
+    call = case.call()
+    short, main = gb.default_plans(call)
+    assert (short.max_q, main.min_q) == (16, 17)
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+    assert numerics.rel_err(case.run_backend(gb.BACKEND), want) <= tol
+    out = torch.full_like(case.query, float("nan"))
+    gb.run_longer(call, out)
+    assert out[0].isnan().all()  # the one-token sequence's row: not this kernel's
+    assert numerics.rel_err(out[1:].cpu().double(), want[1:]) <= tol
+    assert (gb.defers(call) is None) == ((call.kind, 128) in gb.UNEQUAL_FASTER)
+    if kind == "float":
+        monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+        assert numerics.rel_err(case.run_op(), want) <= tol
 
 
 GRID = [

@@ -86,7 +86,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     PRODUCER_REGS,
     GluonPlan,
     check_plan,
-    default_plan,
+    default_plans,
     swizzle_bytes,
     tma_rows,
 )
@@ -404,30 +404,51 @@ def _scores(s, ks_smem, i, QK: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(p, vs_smem, i, QK: gl.constexpr, P_OP: gl.constexpr, PV_T: gl.constexpr):
+def _p_operand(p, vs_smem, i, every_key_read, QK: gl.constexpr, P_OP: gl.constexpr,
+               PV_T: gl.constexpr):
     """P as the P·V wgmma's register operand in its type; with an INT8 V cache (``vs_smem``
-    holds its scales) P' = p * v_scale, in fp16 as the CUDA decode has it (a weight of 0
-    stays 0 whatever the key's scale)."""
+    holds its scales) P' = p * v_scale, in fp16 as the CUDA decode has it. In a tile some
+    row does not read all of (``every_key_read`` false) a weight of 0 stays 0 whatever the
+    key's scale; where every row reads every key, a non-finite scale reaches the row as it
+    does in dequantize-then-attend, so the guard's compare and select are left out."""
     if vs_smem is not None:
         v_scale = vs_smem.index(i).load(gl.SliceLayout(0, QK))
-        p = gl.where(p > 0.0, p * v_scale[None, :], 0.0)
+        if every_key_read:
+            p = p * v_scale[None, :]
+        else:
+            p = gl.where(p > 0.0, p * v_scale[None, :], 0.0)
     return gl.convert_layout(p.to(PV_T), P_OP)
 
 
 @gluon.jit
+def _int8_to_fp16(x):
+    """int8 values to fp16, exactly (|x| <= 128), four per 32-bit register: XOR 0x80 makes
+    each byte x + 128, a byte permute puts it under the exponent byte 0x64 (the bits of the
+    fp16 1024 + byte), and a packed fp16 subtract of 1152 leaves x. 1.25 instructions a
+    value, where widening through int16 took 2.75 (a byte permute to sign-extend each pair,
+    a packed add, a packed subtract), all on the ALU beside the softmax."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 u, bias;
+        xor.b32 u, $2, 0x80808080;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        mov.b32 bias, 0x64806480;
+        sub.f16x2 $0, $0, bias;
+        sub.f16x2 $1, $1, bias;
+        }""",
+        "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _widen(v8, v16, WIDEN: gl.constexpr):
-    """An int8 V tile to fp16 in the consumer's own buffer, exactly (|v| <= 128): 0x6480 + v
-    are the bits of the fp16 1152 + v, so a packed integer add and a packed fp16 subtract
-    do what a conversion instruction would at 16 per clock and SM on sm_90, the rate of the
-    softmax's exp2. WIDEN gives each thread 16 values of a row; one row chunk at a time, so
-    that the widening adds few registers beside the accumulator (at head_dim 256 larger
-    chunks spilled)."""
+    """An int8 V tile to fp16 in the consumer's own buffer, exactly. WIDEN gives each thread
+    16 values of a row; one row chunk at a time, so that the widening adds few registers
+    beside the accumulator (at head_dim 256 larger chunks spilled)."""
     ROWS: gl.constexpr = v8.type.shape[0]
     CHUNK: gl.constexpr = 16 * 128 // v8.type.shape[1]  # 4 warps x 32 lanes x 16 values
     for r in gl.static_range(0, ROWS, CHUNK):
-        x = v8.slice(r, CHUNK).load(WIDEN)
-        h = (x.to(gl.int16) + 0x6480).to(gl.float16, bitcast=True) - 1152.0
-        v16.slice(r, CHUNK).store(h)
+        v16.slice(r, CHUNK).store(_int8_to_fp16(v8.slice(r, CHUNK).load(WIDEN)))
     fence_async_shared()  # the P·V wgmma reads it through the async proxy
     gl.thread_barrier()  # ... once the warpgroup's four warps wrote it
 
@@ -512,7 +533,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
         if KV_RINGS:  # K and its scales are read; V has its own barrier
             mbarrier.arrive(k_empty.index(0), count=1)
             mbarrier.wait(v_ready.index(0), 0)
-        p16 = _p_operand(p, vs_smem, 0, QK, P_OP, PV_T)
+        p16 = _p_operand(p, vs_smem, 0, BLOCK_N <= full, QK, P_OP, PV_T)
         _release_v(v_smem, v16, v_empty, 0, COPY)
         for j in range(1, num_tiles):
             cur = j % STAGES
@@ -536,7 +557,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
             if KV_RINGS:
                 mbarrier.wait(v_ready.index(cur), phase)
-            p16 = _p_operand(p, vs_smem, cur, QK, P_OP, PV_T)
+            p16 = _p_operand(p, vs_smem, cur, (j + 1) * BLOCK_N <= full, QK, P_OP, PV_T)
             _release_v(v_smem, v16, v_empty, cur, COPY)
         last = (num_tiles - 1) % STAGES
         _take_turn(turn, WG, num_tiles, CONSUMERS)
@@ -554,7 +575,7 @@ def ws_prefill_kernel(
     out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
-    stride_vst, stride_vsh, stride_btb, stride_btn, min_q,
+    stride_vst, stride_vsh, stride_btb, stride_btn, min_q, max_q,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -571,7 +592,8 @@ def ws_prefill_kernel(
     b = gl.program_id(2)
     seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
     t0 = tile * (BLOCK_M // PACK)
-    if (t0 >= q_len) | (q_len < min_q):  # (min_q: another kernel's shorter sequences)
+    # sequences of fewer than min_q or (max_q > 0) more than max_q tokens: another launch's
+    if (t0 >= q_len) | (q_len < min_q) | ((max_q > 0) & (q_len > max_q)):
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -683,7 +705,7 @@ def gluon_prefill_kernel(
     sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btb,
-    stride_btn, min_q,
+    stride_btn, min_q, max_q,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr,
@@ -711,7 +733,8 @@ def gluon_prefill_kernel(
     b = gl.program_id(2)
     seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
     t0 = tile * TOKENS
-    if (t0 >= q_len) | (q_len < min_q):  # (min_q: another kernel's shorter sequences)
+    # sequences of fewer than min_q or (max_q > 0) more than max_q tokens: another launch's
+    if (t0 >= q_len) | (q_len < min_q) | ((max_q > 0) & (q_len > max_q)):
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -811,10 +834,12 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                 q_scale: torch.Tensor | None, min_query_len: int = 0) -> Launch:
     """The launch of ``call`` under ``plan``; ``q``: the int8 query with its per-(token,
     head) scales ``q_scale`` for an INT8 K cache, else the query itself and None;
-    sequences of fewer than ``min_query_len`` query tokens are skipped."""
+    sequences of fewer than ``min_query_len`` query tokens are skipped, and those outside
+    the plan's min_q to max_q."""
     g = call.geometry
     kc, vc, ks, vs = call.key_cache, call.value_cache, call.key_scale, call.value_scale
-    tiles = triton.cdiv(call.query_bound, plan.tokens)
+    queries = min(call.query_bound, plan.max_q) if plan.max_q else call.query_bound
+    tiles = triton.cdiv(queries, plan.tokens)
     grid = (g.num_q_heads // plan.pack, tiles, g.batch)
     options = dict(
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -835,18 +860,19 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                        KV_RINGS=plan.kv_rings, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
-            *strides, *call.block_table.stride(), min_query_len)
+            *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q)
     return Launch(kernel, grid, args, options)
 
 
 def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = None,
                  min_query_len: int = 0) -> None:
     """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call`` (a call the
-    backend's ``supports`` takes); ``plan`` overrides the default launch. Sequences of fewer
-    than ``min_query_len`` query tokens are skipped (their rows left as they are), for a
-    batch whose decode rows another kernel serves."""
-    plan = plan or default_plan(call)
-    check_plan(call, plan)
+    backend's ``supports`` takes); ``plan`` (one launch) overrides the default launches
+    (default_plans). Sequences of fewer than ``min_query_len`` query tokens are skipped
+    (their rows left as they are), for a batch whose decode rows another kernel serves."""
+    plans = (plan,) if plan else default_plans(call)
+    for p in plans:
+        check_plan(call, p)
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
         raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
                          f"{tuple(out.shape)} strides {tuple(out.stride())}")
@@ -854,5 +880,6 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     if g.num_tokens == 0 or g.batch == 0:
         return
     q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
-    launch = launch_args(call, out, plan, q, q_scale, min_query_len)
-    launch.kernel[launch.grid](*launch.args, **launch.options)
+    for p in plans:
+        launch = launch_args(call, out, p, q, q_scale, min_query_len)
+        launch.kernel[launch.grid](*launch.args, **launch.options)

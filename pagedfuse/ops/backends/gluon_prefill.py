@@ -17,12 +17,14 @@ benchmarks/results/prefill_h200_2026-12-02_tiles.json, the table in benchmarks/R
 "ws" took 0.57-0.81x triton_prefill's time for 16-bit K/V at head_dim 128 (but 1.05x at
 q_len 64) and 0.74-0.88x at 256, from q_len 4 up; 0.60-0.77x for INT8 K at 128 and 256 from
 q_len 512 up; 0.72-0.98x for INT8 K+V at 128 and 256 from 64 up; elsewhere it was slower or
-even. Those runs had every sequence's query of one length, and the grid sizes
-its tiles by the longest (``default_plan``): a short sequence in a longer one's batch would
-take a whole tile of one head, where triton_prefill launches short sequences apart. So it
-takes a call only where the sizes prove the lengths equal (num_tokens = batch x
-max_query_len, or one sequence), without reading a length. PAGEDFUSE_BACKEND=gluon_prefill
-runs it on every call it supports.
+even. Those runs had every sequence's query of one length. The grid sizes its tiles by the
+longest query (``default_plan``); where the sizes do not prove the lengths equal
+(num_tokens = batch x max_query_len, or one sequence: no length is read), the sequences
+short enough for the packed tile of one-token queries get a launch of their own
+(``default_plans``), as triton_prefill's do. The op's choice takes such a batch only where
+those launches measured faster (``UNEQUAL_FASTER``: 16-bit K/V at head_dim 256); elsewhere a
+batch of queries that may differ stays with triton_prefill.
+PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
 Gluon; the kernel module is imported on the first ``run`` only, so the package imports
@@ -62,11 +64,14 @@ SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA bo
 # the time of 32 x 4 (qwen35, all six bench_prefill.py cases); on every other kind's tiles
 # they took 0.94-1.11x the time (below 1 only at q_len 64 on tinyllama), and 128 x 2 at
 # head_dim 128 gained nothing
-# (benchmarks/results/probes_h200_2026-12-02_rings.json)
+# (benchmarks/results/probes_h200_2026-12-02_rings.json). INT8 K+V at head_dim 64 and 128
+# takes tiles of 128 keys since its V widening got cheaper (a byte permute): 0.84-0.91x
+# the time of 64 x 5 at 64, 0.94-1.00x that of 64 x 4 at 128 (8K and 8 x 2K prompts,
+# benchmarks/results/gluon_tiles_h200_2026-12-02_int8_kv.json)
 WS_TILES = {
     ("float", 64): (128, 4, False), ("int8_k", 64): (128, 4, False),
-    ("int8_kv", 64): (64, 5, False), ("float", 128): (64, 4, False),
-    ("int8_k", 128): (128, 4, False), ("int8_kv", 128): (64, 4, False),
+    ("int8_kv", 64): (128, 4, False), ("float", 128): (64, 4, False),
+    ("int8_k", 128): (128, 4, False), ("int8_kv", 128): (128, 3, False),
     ("float", 256): (64, 2, True), ("int8_k", 256): (64, 3, False),
     ("int8_kv", 256): (64, 3, False),
 }
@@ -84,6 +89,12 @@ PRODUCER_REGS = 40
 FASTER_FROM = {("float", 64): 512, ("float", 128): 2, ("float", 256): 2,
                ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 512,
                ("int8_kv", 128): 64, ("int8_kv", 256): 64}
+# (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
+# the short ones, default_plans) measured faster than triton_prefill's: the op without
+# length hints at q_len 4, B=64, L=8192 on the H200 (2026-12-02) took 0.608 ms against 0.735
+# at head_dim 256 (qwen35) but 0.685 against 0.629 at 128 (llama3_8b), where the hinted call
+# takes 0.494 (not located: the main launch's tiles, all exiting here, are one CTA per SM)
+UNEQUAL_FASTER = frozenset({("float", 256)})
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -95,8 +106,9 @@ class GluonPlan:
     """Launch choices: the kernel (``pipeline``, see the module docstring), rows per tile
     (``block_m``, 64 per warpgroup), query heads packed into a tile's rows token-major
     (``pack``, a divisor of the GQA group), keys per step (``block_n``), shared-memory
-    buffers per key tile (``stages``) and, for "ws", whether K and V buffers are released
-    apart (``kv_rings``, each with its own barriers)."""
+    buffers per key tile (``stages``), for "ws" whether K and V buffers are released apart
+    (``kv_rings``, each with its own barriers), and the query lengths the launch serves
+    (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -104,6 +116,8 @@ class GluonPlan:
     stages: int = 3
     pipeline: str = "ws"
     kv_rings: bool = False
+    min_q: int = 0
+    max_q: int = 0
 
     @property
     def tokens(self) -> int:
@@ -130,7 +144,29 @@ def default_plan(call: PagedCall) -> GluonPlan:
     to MAX_HEAD_DIM_64_ROWS).
     The "ws" kernel with WS_TILES' keys and buffers wherever the cache allows its TMA boxes,
     else "cp" (for a call "cp" does not run, ``call_unsupported`` says why)."""
-    group, queries = call.geometry.group, max(min(call.query_bound, 128), 1)
+    return _plan(call, call.query_bound)
+
+
+def default_plans(call: PagedCall) -> tuple[GluonPlan, ...]:
+    """The launches ``prefill_into`` makes when given no plan, in order. Where the sizes do
+    not prove every query equally long, sequences short enough for the packed tile of
+    one-token queries (decode rows, draft tokens) get it in a launch of their own, as
+    triton_prefill's do: in the tiles sized by the longest query each would fill a few of
+    the rows of one head."""
+    main = default_plan(call)
+    g = call.geometry
+    if g.batch == 1 or g.num_tokens == g.batch * call.query_bound:
+        return (main,)
+    short = _plan(call, 1)
+    if main.tokens <= short.tokens:
+        return (main,)
+    return (dataclasses.replace(short, max_q=short.tokens),
+            dataclasses.replace(main, min_q=short.tokens + 1))
+
+
+def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
+    """default_plan for queries of up to ``query_bound`` tokens."""
+    group, queries = call.geometry.group, max(min(query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
     block_n, stages, kv_rings = _ws_tiles(call)
     one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
@@ -227,6 +263,9 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
+    if plan.min_q < 0 or plan.max_q < 0:
+        raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
+                         "no bound)")
 
 
 @functools.cache
@@ -284,15 +323,21 @@ def slower(call: PagedCall) -> str | None:
     return None
 
 
+def takes_unequal_queries(call: PagedCall) -> bool:
+    """Whether its launches for queries that may differ (default_plans) measured faster
+    than triton_prefill's for ``call``'s cache kind and head_dim (UNEQUAL_FASTER)."""
+    return (call.kind, call.geometry.head_dim) in UNEQUAL_FASTER
+
+
 def defers(call: PagedCall) -> str | None:
     """Why the op's own choice leaves ``call`` to triton_prefill (``slower``, or query
-    lengths that may differ), or None."""
+    lengths that may differ where its two launches measured no faster), or None."""
     if why := slower(call):
         return why
     g, bound = call.geometry, call.query_bound
-    if g.batch > 1 and g.num_tokens != g.batch * bound:
+    if g.batch > 1 and g.num_tokens != g.batch * bound and not takes_unequal_queries(call):
         return (f"{g.num_tokens} tokens in {g.batch} sequences of up to {bound}: the query "
-                "lengths may differ, and a short one would take a whole tile of one head")
+                "lengths may differ, where it measured no faster (UNEQUAL_FASTER)")
     return None
 
 

@@ -2,12 +2,13 @@
 backend that runs each part on the kernel built for it, with no host sync: the CUDA C++
 decode's grid serves the sequences of one query token and skips the others on the device
 (csrc/cuda/paged_decode.cu ``sequence``), then a prefill kernel serves the others and skips
-the one-token ones (``min_query_len`` 2): the Gluon kernel where the call's longest query is
-hinted and its measured rule takes it (gluon_prefill.slower), else triton_prefill. Run
-alone, the prefill kernels give every decode row a query tile of its own, and the Gluon
-kernel a whole tile of a head (so it defers on such batches); without the hint its tiles
-would be sized by every token of the batch, where triton_prefill packs short queries. An
-INT8 K query is quantized by each part, every row of it.
+the one-token ones (``min_query_len`` 2): the Gluon kernel where its measured rule takes the
+call's longest query (gluon_prefill.slower) and either that length is hinted or its
+launches for queries of any length measured faster (gluon_prefill.takes_unequal_queries:
+without the hint the longest query is every token of the batch, and the chunks' real
+lengths may be any), else triton_prefill. Run alone, a prefill kernel serves the decode
+rows in a packed launch of their own (default_plans), slower than the CUDA decode. An INT8 K
+query is quantized by each part, every row of it.
 
 It takes a call only where the sizes leave room for a one-token query beside a longer one
 (prefill_plan.may_mix_decode_rows) and the decode takes the call's caches and options.
@@ -43,8 +44,8 @@ def parts(call: PagedCall) -> tuple[Part, Part] | str:
         return "no one-token query can sit beside a longer one (the sizes say so)"
     if why := cuda_decode.rows_unsupported(call):
         return f"the decode rows: cuda_decode: {why}"
-    if (call.max_query_len is not None and gluon_prefill.supports(call) is None
-            and gluon_prefill.slower(call) is None):
+    if (gluon_prefill.supports(call) is None and gluon_prefill.slower(call) is None
+            and (call.max_query_len is not None or gluon_prefill.takes_unequal_queries(call))):
         return cuda_decode.run_rows, gluon_prefill.run_longer
     if why := triton_prefill.supports(call):
         return f"the longer queries: triton_prefill: {why}"
