@@ -27,6 +27,7 @@ from pagedfuse.ops import cuda_native, library, validate
 from pagedfuse.ops.backends import Backend, choose, get_backend, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, Geometry, PagedCall
 from pagedfuse.ops.reference import quantize_int8_reference
+from pagedfuse.ops.signature_cache import SignatureCache
 from pagedfuse.ops.validate import build_call
 
 
@@ -225,8 +226,8 @@ def test_the_choice_follows_the_forced_backend_and_the_registry(monkeypatch):
 def test_the_signature_caches_are_bounded(monkeypatch):
     """Past their limit the verdict and choice caches start over rather than grow, and the
     calls after that are still checked and right."""
-    monkeypatch.setattr(validate, "_VERDICT_LIMIT", 2)
-    monkeypatch.setattr(registry, "_CHOICE_LIMIT", 2)
+    monkeypatch.setattr(validate._VERDICTS, "limit", 2)
+    monkeypatch.setattr(registry._CHOICES, "limit", 2)
     validate._VERDICTS.clear()
     registry._CHOICES.clear()
     for batch in (1, 2, 3, 4, 5):
@@ -633,3 +634,13 @@ def test_a_repeated_cuda_decode_launches_from_cpp(empty_table, kind):
     expected_q, expected_scale = quantize_int8_reference(x.cpu())
     assert hits == 1
     assert torch.equal(q.cpu(), expected_q) and torch.equal(scale.cpu(), expected_scale)
+
+
+def test_a_signature_cache_starts_over_when_full():
+    """The host paths' per-signature caches: entries up to the limit, then the insert past
+    it empties the cache first (the work redone, the memory bounded)."""
+    cache = SignatureCache(limit=3)
+    assert [cache.put(k, str(k)) for k in range(3)] == ["0", "1", "2"]
+    assert dict(cache) == {0: "0", 1: "1", 2: "2"} and cache.get(1) == "1"
+    assert cache.put(3, "3") == "3"
+    assert dict(cache) == {3: "3"} and cache.get(0) is None

@@ -17,6 +17,7 @@ from helpers.prefill import varlen_case
 
 from pagedfuse.numerics import rel_err
 from pagedfuse.ops import prefill_plan as pp
+from pagedfuse.ops.signature_cache import SignatureCache
 
 cuda = pytest.mark.cuda
 
@@ -65,7 +66,8 @@ def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon
     from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton_prefill
 
     ran = []
-    monkeypatch.setattr(mb, "_PARTS", {})  # run's parts per signature: these are recorders
+    # run's parts per signature: these are recorders
+    monkeypatch.setattr(mb, "_PARTS", SignatureCache())
     monkeypatch.setattr(cuda_decode, "rows_unsupported", lambda call: None)
     monkeypatch.setattr(gluon_prefill, "supports", lambda call: None)
     monkeypatch.setattr(gluon_prefill, "slower", lambda call: gluon_reason)
@@ -95,7 +97,7 @@ def test_run_works_out_a_signatures_parts_once(mb, monkeypatch):
         return (lambda c, out: ran.append("decode"), lambda c, out: ran.append("prefill"))
 
     monkeypatch.setattr(mb, "parts", parts)
-    monkeypatch.setattr(mb, "_PARTS", {})
+    monkeypatch.setattr(mb, "_PARTS", SignatureCache())
     case = make_case(seq_lens=[60, 90, 51], q_lens=[1, 40, 1], head_dim=128,
                      dtype=torch.bfloat16)
     call = case.call(max_query_len=40)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from pagedfuse.ops.call import PagedCall, empty_contiguous
+from pagedfuse.ops.signature_cache import SignatureCache
 
 LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
@@ -255,8 +256,7 @@ class _Record(NamedTuple):
     counts: int
 
 
-_RECORDS: dict[tuple, _Record] = {}
-_RECORD_LIMIT = 4096
+_RECORDS: SignatureCache[tuple, _Record] = SignatureCache()
 
 
 def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
@@ -312,11 +312,8 @@ def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
             *(value_scale.stride() if value_scale is not None else no_scale),
             *block_table.stride()),
         query.stride(1), part_o, part_lse, q8, q_scale, call.scale * LOG2E, call.softcap or 0.0)
-    found = _Record(launch, ctypes.addressof(launch), nbytes, copy_query, launch.device, counts)
-    if len(_RECORDS) >= _RECORD_LIMIT:
-        _RECORDS.clear()
-    _RECORDS[key] = found
-    return found
+    return _RECORDS.put(key, _Record(launch, ctypes.addressof(launch), nbytes, copy_query,
+                                     launch.device, counts))
 
 
 # The fused launch's scratch per (device, stream), grown as needed: launches on one stream

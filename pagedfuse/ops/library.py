@@ -28,6 +28,7 @@ from torch._C import DispatchKey, DispatchKeySet
 from pagedfuse import envs
 from pagedfuse.ops.backends import Backend, choose, get_backend, quantize_kernel, registry
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, empty_contiguous
+from pagedfuse.ops.signature_cache import SignatureCache
 from pagedfuse.ops.validate import (
     build_call,
     check_metadata,
@@ -44,7 +45,6 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # Below Autograd, a plain CPU or CUDA tensor under no mode dispatches straight to the kernel.
 _PLAIN = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU,
                                                               DispatchKey.CUDA))
-_KEYSET_LIMIT = 64  # keysets an Autograd kernel remembers (a handful occur)
 
 
 def _backend(call: PagedCall) -> Backend:
@@ -202,7 +202,7 @@ def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
     is plain below Autograd is remembered per keyset (a handful occur), and only the leading
     arguments up to the last tensor one are asked whether they require grad: both run on
     every call in grad mode."""
-    plain: dict[int, bool] = {}
+    plain: SignatureCache[int, bool] = SignatureCache(limit=64)  # a handful of keysets occur
     tensors = 1 + max(i for i, a in enumerate(op._schema.arguments) if _is_tensor(a.type))
 
     def kernel(keyset, *args, **options):
@@ -211,9 +211,7 @@ def _autograd_kernel(op: torch._ops.OpOverload, impl: Callable) -> Callable:
         raw = keyset.raw_repr()
         below_is_plain = plain.get(raw)
         if below_is_plain is None:
-            if len(plain) >= _KEYSET_LIMIT:
-                plain.clear()
-            below_is_plain = plain[raw] = (keyset & _AFTER_AUTOGRAD).raw_repr() in _PLAIN
+            below_is_plain = plain.put(raw, (keyset & _AFTER_AUTOGRAD).raw_repr() in _PLAIN)
         if below_is_plain:
             return impl(*args, **options)
         with torch._C._AutoDispatchBelowAutograd():

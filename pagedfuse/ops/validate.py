@@ -20,6 +20,7 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops.backends import registry
 from pagedfuse.ops.call import INT8_OP, SOFTCAP_RANGE, Geometry, PagedCall
+from pagedfuse.ops.signature_cache import SignatureCache
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -129,8 +130,7 @@ _POINTERS = (("query", ROW_ALIGN_BYTES), ("key_cache", ROW_ALIGN_BYTES),
              ("value_scale", SCALE_ALIGN_BYTES))
 # Verdicts of past calls by call signature. Bounded, since every distinct signature (e.g.
 # each batch size) adds one.
-_VERDICTS: dict[tuple, _Verdict] = {}
-_VERDICT_LIMIT = 4096
+_VERDICTS: SignatureCache[tuple, _Verdict] = SignatureCache()
 
 
 def pointer_masks(call: PagedCall) -> tuple[int, int, int, int, int]:
@@ -240,10 +240,8 @@ def build_call(op: str, query: torch.Tensor, key_cache: torch.Tensor,
         check_options(window_left, softcap)
         dense = fake or (_dense(seq_lens) and _dense(query_start_loc))
         if key is not None:
-            if len(_VERDICTS) >= _VERDICT_LIMIT:
-                _VERDICTS.clear()
-            _VERDICTS[key] = _Verdict(geometry, _pointer_masks(
-                (query, key_cache, value_cache, key_scale, value_scale)), dense)
+            _VERDICTS.put(key, _Verdict(geometry, _pointer_masks(
+                (query, key_cache, value_cache, key_scale, value_scale)), dense))
     if not dense:  # the kernels index them as plain arrays
         seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     return _new_call(PagedCall, (op, query, key_cache, value_cache, key_scale, value_scale,

@@ -16,6 +16,7 @@ from pagedfuse.ops import cuda, cuda_native, triton_quantize
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.cuda import LaunchConfig
+from pagedfuse.ops.signature_cache import SignatureCache
 
 HEAD_DIMS = frozenset(cuda_native.HEAD_DIMS)
 BALANCED = 0  # the split count that means the balanced grid
@@ -90,8 +91,7 @@ def launch_plan(kind: str, num_kv_heads: int, head_dim: int, batch: int, context
 
 # The default plan per call signature (the Geometry), hints and switches: an eager call asks
 # for it every time.
-_PLANS: dict[tuple, DecodePlan] = {}
-_PLAN_LIMIT = 4096
+_PLANS: SignatureCache[tuple, DecodePlan] = SignatureCache()
 
 
 def make_plan(call: PagedCall, config: LaunchConfig | None = None,
@@ -113,9 +113,7 @@ def make_plan(call: PagedCall, config: LaunchConfig | None = None,
                                                  device, balanced=balanced),
                          splits, pdl and cuda.pdl_capable(device))
     if default:
-        if len(_PLANS) >= _PLAN_LIMIT:
-            _PLANS.clear()
-        _PLANS[key] = chosen
+        _PLANS.put(key, chosen)
     return chosen
 
 

@@ -25,6 +25,7 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops.call import PagedCall
 from pagedfuse.ops.reference import quantize_int8_reference
+from pagedfuse.ops.signature_cache import SignatureCache
 
 Tensor = torch.Tensor
 Supports = Callable[[PagedCall], "str | None"]
@@ -72,8 +73,7 @@ class Backend:
 _BACKENDS: dict[str, Backend] = {}
 # The op's choice per (geometry, causal, hints, forced name): the geometry stands for the call
 # signature (see Geometry). Cleared whenever a backend comes or goes.
-_CHOICES: dict[tuple, Backend] = {}
-_CHOICE_LIMIT = 4096
+_CHOICES: SignatureCache[tuple, Backend] = SignatureCache()
 _QUANTIZE: dict[str, Quantize] = {}  # quantize_int8's kernel per device type
 generation = 0  # bumped on every registry change; validate's verdict cache keys on it
 _LISTENERS: list[Callable[[], None]] = []
@@ -208,10 +208,7 @@ def choose(call: PagedCall) -> Backend:
     key = (call.geometry, call.causal, call.max_seq_len, call.max_query_len, forced)
     backend = _CHOICES.get(key)
     if backend is None:
-        backend = _choose(call, forced)
-        if len(_CHOICES) >= _CHOICE_LIMIT:
-            _CHOICES.clear()
-        _CHOICES[key] = backend
+        backend = _CHOICES.put(key, _choose(call, forced))
     return backend
 
 
