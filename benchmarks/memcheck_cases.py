@@ -1,7 +1,8 @@
 """One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton; the
 CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the split-KV and the
 prefill kernels, quantize, out-of-range block ids; window_left and softcap in the CUDA C++
-decode's split and balanced grids and in the split-KV kernel) for compute-sanitizer.
+decode's split and balanced grids and in the split-KV kernel; on sm_90 the Gluon prefill
+kernel's pipelines, cache kinds and launches, and mixed_batch) for compute-sanitizer.
 `memcheck_cases.py window` runs the window_left / softcap cases alone."""
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.cuda_cases import gpu_case, lengths, run
 
-from pagedfuse.ops.backends import cuda_decode
+from pagedfuse.ops.backends import cuda_decode, gluon_prefill
 
 cases = [
     (dict(seq_lens=lengths(2)), {}),
@@ -49,6 +50,21 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
            dict(backend="cuda_decode", max_query_len=1,  # the balanced grid, its merges
                 splits=cuda_decode.BALANCED))
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
+# The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
+# short sequences, then the rest), a tail tile past each sequence, every cache kind and
+# head_dim; K and V rings at page 256; the cp pipeline at page 1. Then mixed_batch (the CUDA
+# decode's rows, the Gluon kernel's chunks).
+prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
+               causal=True)
+if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call()) is None:
+    cases += [(dict(prefill, head_dim=d, kind=kind), dict(backend="gluon_prefill"))
+              for d, kind in ((128, "int8_k"), (64, "int8_kv"), (128, "int8_kv"), (256, "float"))]
+    cases += [(dict(prefill, head_dim=128, block_size=256), dict(
+                   backend="gluon_prefill", block_n=64, stages=2, kv_rings=True)),
+              (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
+               dict(backend="gluon_prefill", pipeline="cp")),
+              (dict(prefill, head_dim=128, kind="int8_kv"),
+               dict(backend="mixed_batch", max_query_len=130))]
 window_cases = [
     (dict(seq_lens=(300, 45, 1000), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind,
           window_left=100, softcap=cap),
