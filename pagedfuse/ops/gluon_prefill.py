@@ -181,11 +181,11 @@ def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _online(s, m_i, l_i, row_scale, row_end, start, full, cols, BLOCK_N: gl.constexpr):
+def _online(s, m_i, l_i, row_scale, row_end, start, every_key_read, cols):
     """One key tile of the online softmax from its fp32 scores: the weights, the new row
     maxima and sums, and the factor the accumulator takes (the masked path only for a tile
-    that reaches past ``full``)."""
-    if start + BLOCK_N <= full:  # every key visible to every row
+    some row does not read whole: ``every_key_read`` false)."""
+    if every_key_read:
         p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, False)
     else:
         p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, True)
@@ -529,12 +529,13 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                               is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
+        every_key_read = BLOCK_N <= full
         p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
-                                     row_end, 0, full, cols, BLOCK_N)
+                                     row_end, 0, every_key_read, cols)
         if KV_RINGS:  # K and its scales are read; V has its own barrier
             mbarrier.arrive(k_empty.index(0), count=1)
             mbarrier.wait(v_ready.index(0), 0)
-        p16 = _p_operand(p, vs_smem, 0, BLOCK_N <= full, QK, P_OP, PV_T)
+        p16 = _p_operand(p, vs_smem, 0, every_key_read, QK, P_OP, PV_T)
         _release_v(v_smem, v16, v_empty, 0, COPY)
         for j in range(1, num_tiles):
             cur = j % STAGES
@@ -549,8 +550,9 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, prev), acc, is_async=True)
             _pass_turn(turn, WG, CONSUMERS)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
+            every_key_read = (j + 1) * BLOCK_N <= full
             p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
-                                         row_end, j * BLOCK_N, full, cols, BLOCK_N)
+                                         row_end, j * BLOCK_N, every_key_read, cols)
             if KV_RINGS:
                 mbarrier.arrive(k_empty.index(cur), count=1)
             acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
@@ -558,7 +560,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
             if KV_RINGS:
                 mbarrier.wait(v_ready.index(cur), phase)
-            p16 = _p_operand(p, vs_smem, cur, (j + 1) * BLOCK_N <= full, QK, P_OP, PV_T)
+            p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
             _release_v(v_smem, v16, v_empty, cur, COPY)
         last = (num_tiles - 1) % STAGES
         _take_turn(turn, WG, num_tiles, CONSUMERS)
@@ -794,8 +796,8 @@ def gluon_prefill_kernel(
                                use_acc=False, is_async=True)
         cur = j % STAGES
         s = _key_scaled(s_cur, ks_smem.index(cur).load(gl.SliceLayout(0, QK)))
-        p, m_i, l_i, alpha = _online(s, m_i, l_i, row_scale, row_end, j * BLOCK_N, full, cols,
-                                     BLOCK_N)
+        p, m_i, l_i, alpha = _online(s, m_i, l_i, row_scale, row_end, j * BLOCK_N,
+                                     (j + 1) * BLOCK_N <= full, cols)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
         p16 = gl.convert_layout(p.to(half), P_OP)
         acc = warpgroup_mma(p16, v_smem.index(cur), acc, is_async=True)

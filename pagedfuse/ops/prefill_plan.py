@@ -12,10 +12,13 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from pagedfuse.ops.call import PagedCall, next_power_of_2
+
+Plan = TypeVar("Plan")
 
 HEAD_DIMS = (64, 128, 256)
 PV_MODES = ("half", "int8")
@@ -105,13 +108,7 @@ def _default_plans(head_dim: int, group: int, query_bound: int, kind: str, batch
                    num_q_heads: int, context: int, sms: int,
                    may_split: bool) -> tuple[PrefillPlan, ...]:
     main = _default_plan(head_dim, group, query_bound, kind)
-    short = _default_plan(head_dim, group, 1, kind)
-    plans = (main,)
-    if batch > 1 and main.tokens > short.tokens:
-        # sequences short enough for the packed tile (decode rows, draft tokens) get it in
-        # a launch of their own: in main's tiles each would fill a few of 128 rows
-        short = dataclasses.replace(short, max_q=short.tokens)
-        plans = (short, dataclasses.replace(main, min_q=short.tokens + 1))
+    plans = packed_first(main, _default_plan(head_dim, group, 1, kind)) if batch > 1 else (main,)
     first = plans[0]
     queries = min(query_bound, first.max_q) if first.max_q else query_bound
     # long queries fill the GPU with query tiles; beside a launch for long ones, the merge
@@ -125,6 +122,18 @@ def _default_plans(head_dim: int, group: int, query_bound: int, kind: str, batch
            and context >= splits * 2 * MIN_SPLIT_TILES * first.block_n):
         splits *= 2
     return (dataclasses.replace(first, splits=splits), *plans[1:])
+
+
+def packed_first(main: Plan, short: Plan) -> tuple[Plan, ...]:
+    """Launches for a batch whose queries may differ in length: the sequences short enough
+    for ``short``'s packed tile (decode rows, draft tokens) in a launch of their own, then
+    ``main`` for the rest (in main's tiles each short one would fill a few of the rows of
+    one head); ``main`` alone where its tiles hold as many tokens. For any plan type with
+    ``tokens``, ``min_q`` and ``max_q`` (PrefillPlan, the Gluon kernel's GluonPlan)."""
+    if main.tokens <= short.tokens:
+        return (main,)
+    return (dataclasses.replace(short, max_q=short.tokens),
+            dataclasses.replace(main, min_q=short.tokens + 1))
 
 
 def default_plans(call: PagedCall, min_query_len: int = 0) -> tuple[PrefillPlan, ...]:

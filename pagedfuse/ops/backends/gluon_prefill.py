@@ -41,7 +41,7 @@ import torch
 
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
-from pagedfuse.ops.prefill_plan import NO_CUDA, capability, prefill_unsupported
+from pagedfuse.ops.prefill_plan import NO_CUDA, capability, packed_first, prefill_unsupported
 
 NAME = "gluon_prefill"
 HEAD_DIMS = frozenset((64, 128, 256))
@@ -148,20 +148,14 @@ def default_plan(call: PagedCall) -> GluonPlan:
 
 
 def default_plans(call: PagedCall) -> tuple[GluonPlan, ...]:
-    """The launches ``prefill_into`` makes when given no plan, in order. Where the sizes do
-    not prove every query equally long, sequences short enough for the packed tile of
-    one-token queries (decode rows, draft tokens) get it in a launch of their own, as
-    triton_prefill's do: in the tiles sized by the longest query each would fill a few of
-    the rows of one head."""
+    """The launches ``prefill_into`` makes when given no plan, in order: where the sizes do
+    not prove every query equally long, a packed launch for the short ones first
+    (prefill_plan.packed_first, as triton_prefill's)."""
     main = default_plan(call)
     g = call.geometry
     if g.batch == 1 or g.num_tokens == g.batch * call.query_bound:
         return (main,)
-    short = _plan(call, 1)
-    if main.tokens <= short.tokens:
-        return (main,)
-    return (dataclasses.replace(short, max_q=short.tokens),
-            dataclasses.replace(main, min_q=short.tokens + 1))
+    return packed_first(main, _plan(call, 1))
 
 
 def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
