@@ -244,6 +244,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(block_m=32), "plan: block_m 32 not in (64, 128)"),
+    (dict(max_q=-1), "plan: min_q 0 and max_q -1 must be >= 0"),
     (dict(block_n=256), "plan: block_n 256 not in (32, 64, 128)"),
     (dict(pack=3), "plan: pack 3 must divide the GQA group 4"),
     (dict(stages=1), "plan: stages 1 must be >= 2 for pipeline 'ws'"),
