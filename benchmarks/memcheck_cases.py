@@ -3,7 +3,8 @@ CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the spl
 prefill kernels, quantize, out-of-range block ids; window_left and softcap in the CUDA C++
 decode's split and balanced grids and in the split-KV kernel; on sm_90 the Gluon prefill
 kernel's pipelines, cache kinds and launches, and mixed_batch) for compute-sanitizer.
-`memcheck_cases.py window` runs the window_left / softcap cases alone."""
+`memcheck_cases.py window` (or `gluon`) runs the window_left / softcap cases (or the Gluon
+kernel's and mixed_batch's) alone."""
 import sys
 from pathlib import Path
 
@@ -52,19 +53,24 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
-# head_dim; K and V rings at page 256; the cp pipeline at page 1. Then mixed_batch (the CUDA
-# decode's rows, the Gluon kernel's chunks).
+# head_dim; K and V rings at page 256 (16-bit and INT8 V); one consumer with INT8 V; the cp
+# pipeline at page 1. Then mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks).
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
                causal=True)
+gluon_cases = []
 if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call()) is None:
-    cases += [(dict(prefill, head_dim=d, kind=kind), dict(backend="gluon_prefill"))
-              for d, kind in ((128, "int8_k"), (64, "int8_kv"), (128, "int8_kv"), (256, "float"))]
-    cases += [(dict(prefill, head_dim=128, block_size=256), dict(
-                   backend="gluon_prefill", block_n=64, stages=2, kv_rings=True)),
-              (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
-               dict(backend="gluon_prefill", pipeline="cp")),
-              (dict(prefill, head_dim=128, kind="int8_kv"),
-               dict(backend="mixed_batch", max_query_len=130))]
+    gluon_cases += [(dict(prefill, head_dim=d, kind=kind), dict(backend="gluon_prefill"))
+                    for d, kind in ((128, "int8_k"), (64, "int8_kv"), (128, "int8_kv"),
+                                    (256, "int8_kv"), (256, "float"))]
+    rings = dict(backend="gluon_prefill", block_n=64, stages=2, kv_rings=True)
+    gluon_cases += [
+        (dict(prefill, head_dim=128, block_size=256), rings),
+        (dict(prefill, head_dim=128, kind="int8_kv", block_size=256), rings),
+        (dict(prefill, head_dim=128, kind="int8_kv"), dict(backend="gluon_prefill", block_m=64)),
+        (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
+         dict(backend="gluon_prefill", pipeline="cp")),
+        (dict(prefill, head_dim=128, kind="int8_kv"),
+         dict(backend="mixed_batch", max_query_len=130))]
 window_cases = [
     (dict(seq_lens=(300, 45, 1000), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind,
           window_left=100, softcap=cap),
@@ -75,7 +81,8 @@ window_cases = [
 window_cases += [(dict(seq_lens=(300, 45, 70), q_lens=(5, 1, 3), head_dim=128, kind=kind,
                        causal=True, window_left=16, softcap=30.0),
                   dict(backend="triton", splits=2)) for kind in ("float", "int8_kv")]
-cases = window_cases if sys.argv[1:] == ["window"] else cases + window_cases
+groups = {"window": window_cases, "gluon": gluon_cases}
+cases = groups[sys.argv[1]] if sys.argv[1:] else cases + gluon_cases + window_cases
 for spec, kw in cases:
     case = gpu_case(**spec)
     case.block_table[0, 0] = 10**6  # clamped inside the kernel, never read out of bounds

@@ -171,6 +171,7 @@ def test_queries_that_may_differ_get_a_packed_launch_first(gb, q_lens, hint, lau
                                                   "measured faster from 512"),
     ([512], dict(kind="float", head_dim=64), None, None),
     ([64], dict(kind="int8_kv", head_dim=256), None, None),
+    ([4, 4], dict(head_dim=256, num_q_heads=24), 4, None),  # INT8 K at 256 from q_len 2
     ([32], dict(kind="int8_kv"), None, "queries of up to 32 tokens: it measured faster from "
                                        "64 (int8_kv, head_dim 128)"),
     ([512], dict(kind="float", head_dim=256), None, None),

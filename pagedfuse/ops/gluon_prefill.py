@@ -24,8 +24,11 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   and then runs tile j+1's softmax while P·V is still on the tensor cores (FA3's
   intra-warpgroup overlap); two consumers take turns issuing (two ``turn`` mbarriers: FA3's
   ping-pong), so one's softmax runs while the other's wgmma do. A consumer releases a
-  buffer (``empty``) once its P·V on it is done; with INT8 V, once it has widened the
-  tile's V into its own fp16 copy (below), which the next P·V reads. With ``KV_RINGS``
+  buffer (``empty``) once its P·V on it is done. With INT8 V a widener partition (two warps
+  beside the producer, in the warpgroup the producer's registers take anyway) widens each
+  tile's V into one of two fp16 copies the consumers share (below), which their P·V reads;
+  an int8 buffer goes back once the consumers read its scales and the widener its V, a copy
+  once both consumers' P·V on it is done. With ``KV_RINGS``
   (``GluonPlan.kv_rings``) K and V buffers have barriers of their own: a K buffer goes
   back once its Q·K^T and softmax are done, a tile before its V buffer, so that two
   buffers of longer tiles keep the producer ahead where shared memory holds no third
@@ -97,6 +100,11 @@ from pagedfuse.ops.triton_quantize import quantize_int8
 MAGIC = gl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
 MAGIC_F = gl.constexpr(12582912.0)
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup of the "ws" kernel
+# "ws" with an INT8 V cache: the widener's warps (with the producer warp they fill one
+# warpgroup at the producer's registers, which a 1-warp producer padded before) and its fp16
+# copies of V tiles, shared by the consumers (one being read while the next is written)
+WIDEN_WARPS = gl.constexpr(2)
+V16_BUFS = gl.constexpr(2)
 
 
 # ---- shared by both pipelines -----------------------------------------------------------
@@ -442,42 +450,63 @@ def _int8_to_fp16(x):
 
 
 @gluon.jit
-def _widen(v8, v16, WIDEN: gl.constexpr):
-    """An int8 V tile to fp16 in the consumer's own buffer, exactly. WIDEN gives each thread
-    16 values of a row; one row chunk at a time, so that the widening adds few registers
-    beside the accumulator (at head_dim 256 larger chunks spilled)."""
-    ROWS: gl.constexpr = v8.type.shape[0]
-    CHUNK: gl.constexpr = 16 * 128 // v8.type.shape[1]  # 4 warps x 32 lanes x 16 values
-    for r in gl.static_range(0, ROWS, CHUNK):
-        v16.slice(r, CHUNK).store(_int8_to_fp16(v8.slice(r, CHUNK).load(WIDEN)))
-    fence_async_shared()  # the P·V wgmma reads it through the async proxy
-    gl.thread_barrier()  # ... once the warpgroup's four warps wrote it
+def _widener(args, STAGES: gl.constexpr, TPW_D: gl.constexpr):
+    """WIDEN_WARPS warps beside the producer, for an INT8 V cache (none: nothing to do): key
+    tile j's int8 V from the cache's buffer j % STAGES to fp16 in the shared copy j %
+    V16_BUFS, exactly, once the consumers' P·V on that copy is done; then the copy is
+    ``v16_ready`` and the int8 buffer goes back to the producer. The consumers' softmax
+    never waits for it: widening in each consumer put 1.25 instructions a value on their
+    critical path (benchmarks/results/prefill_summary.md)."""
+    (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles) = args
+    if v16_smem is not None:
+        WIDEN: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [WIDEN_WARPS, 1],
+                                               [1, 0])
+        ROWS: gl.constexpr = v_smem.type.shape[1]
+        # rows per step: 16 values a thread, but at least the fp16 copy's 8-row swizzle span
+        CHUNK: gl.constexpr = max(16 * 32 * WIDEN_WARPS // v_smem.type.shape[2], 8)
+        for j in range(num_tiles):
+            i = j % STAGES
+            w = j % V16_BUFS
+            mbarrier.wait(v_ready.index(i), (j // STAGES) & 1)
+            mbarrier.wait(v16_empty.index(w), ((j // V16_BUFS) & 1) ^ 1)
+            v8 = v_smem.index(i)
+            v16 = v16_smem.index(w)
+            for r in gl.static_range(0, ROWS, CHUNK):
+                v16.slice(r, CHUNK).store(_int8_to_fp16(v8.slice(r, CHUNK).load(WIDEN)))
+            fence_async_shared()  # the P·V wgmma reads it through the async proxy
+            gl.thread_barrier()  # ... once every widening warp wrote its rows
+            mbarrier.arrive(v16_ready.index(w), count=1)
+            mbarrier.arrive(v_empty.index(i), count=1)
 
 
 @gluon.jit
-def _v_tile(v_smem, v16, i):
-    """The P·V wgmma's V: the cache's tile ``i``, or the consumer's fp16 copy of it (``v16``
-    not None: an INT8 V cache)."""
-    if v16 is None:
+def _v_operand(v_smem, v16_smem, v16_ready, i, j):
+    """The P·V wgmma's V for key tile ``j``: the cache's buffer ``i``, or with an INT8 V
+    cache (``v16_smem`` not None) the widener's fp16 copy once it is written."""
+    if v16_smem is None:
         tile = v_smem.index(i)
     else:
-        tile = v16
+        w = j % V16_BUFS
+        mbarrier.wait(v16_ready.index(w), (j // V16_BUFS) & 1)
+        tile = v16_smem.index(w)
     return tile
 
 
 @gluon.jit
-def _release_v(v_smem, v16, v_empty, i, WIDEN: gl.constexpr):
-    """With an INT8 V cache: tile ``i``'s V to the fp16 copy, then its buffer back to the
-    producer; otherwise the buffer goes back after the P·V that reads it."""
-    if v16 is not None:
-        _widen(v_smem.index(i), v16, WIDEN)
+def _release_after_p(v_empty, i, v16_smem):
+    """With an INT8 V cache: P' read tile ``i``'s V scales and the widener reads its V, so
+    the consumer's share of the buffer goes back now."""
+    if v16_smem is not None:
         mbarrier.arrive(v_empty.index(i), count=1)
 
 
 @gluon.jit
-def _release_after_pv(v_empty, i, v16):
-    if v16 is None:
+def _release_after_pv(v_empty, v16_empty, i, j, v16_smem):
+    """After key tile ``j``'s P·V: its V buffer ``i``, or with an INT8 V cache its fp16 copy."""
+    if v16_smem is None:
         mbarrier.arrive(v_empty.index(i), count=1)
+    else:
+        mbarrier.arrive(v16_empty.index(j % V16_BUFS), count=1)
 
 
 @gluon.jit
@@ -487,8 +516,9 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over every key tile (``args``:
     one tuple for both consumers, since a partition's arguments cannot be spliced)."""
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
-     v_ready, k_empty, v_empty, turn, sm_scale_log2, num_q_heads, q_start, q_len, seq_len,
-     ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst, stride_qsh) = args
+     v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
+     q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
+     stride_qsh) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
@@ -507,10 +537,6 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK,
                         HEAD_DIM, COPY))
     fence_async_shared()  # the wgmma read it through the async proxy
-    if v16_smem is None:
-        v16: gl.constexpr = None
-    else:
-        v16 = v16_smem.index(WG)
     rows_s = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
@@ -536,18 +562,19 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             mbarrier.arrive(k_empty.index(0), count=1)
             mbarrier.wait(v_ready.index(0), 0)
         p16 = _p_operand(p, vs_smem, 0, every_key_read, QK, P_OP, PV_T)
-        _release_v(v_smem, v16, v_empty, 0, COPY)
+        _release_after_p(v_empty, 0, v16_smem)
         for j in range(1, num_tiles):
             cur = j % STAGES
             prev = (j - 1) % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(k_ready.index(cur), phase)
+            v_prev = _v_operand(v_smem, v16_smem, v16_ready, prev, j - 1)
             _take_turn(turn, WG, j, CONSUMERS)
             # tile j's Q·K^T and tile j-1's P·V back to back; the softmax of tile j then
             # runs while P·V is on the tensor cores
             s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
-            acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, prev), acc, is_async=True)
+            acc_tok = warpgroup_mma(p16, v_prev, acc, is_async=True)
             _pass_turn(turn, WG, CONSUMERS)
             s = warpgroup_mma_wait(1, deps=(s_tok,))
             every_key_read = (j + 1) * BLOCK_N <= full
@@ -556,18 +583,19 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             if KV_RINGS:
                 mbarrier.arrive(k_empty.index(cur), count=1)
             acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-            _release_after_pv(v_empty, prev, v16)
+            _release_after_pv(v_empty, v16_empty, prev, j - 1, v16_smem)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
             if KV_RINGS:
                 mbarrier.wait(v_ready.index(cur), phase)
             p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
-            _release_v(v_smem, v16, v_empty, cur, COPY)
+            _release_after_p(v_empty, cur, v16_smem)
         last = (num_tiles - 1) % STAGES
+        v_last = _v_operand(v_smem, v16_smem, v16_ready, last, num_tiles - 1)
         _take_turn(turn, WG, num_tiles, CONSUMERS)
-        acc_tok = warpgroup_mma(p16, _v_tile(v_smem, v16, last), acc, is_async=True)
+        acc_tok = warpgroup_mma(p16, v_last, acc, is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
-        _release_after_pv(v_empty, last, v16)
+        _release_after_pv(v_empty, v16_empty, last, num_tiles - 1, v16_smem)
     _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
                 HEAD_DIM, PV, COPY)
 
@@ -585,7 +613,8 @@ def ws_prefill_kernel(
     KV_RINGS: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
-    partition), plus consumer 1 (BLOCK_M 128) and the producer warp. The caches' kinds come
+    partition), plus consumer 1 (BLOCK_M 128), the producer warp and the widener's warps (idle
+    without an INT8 V cache). The caches' kinds come
     from the arguments: an int8 query with its scales ``qs_ptr`` for an INT8 K cache (with
     ``ks_ptr``), a 16-bit one and None for a 16-bit K cache; ``vs_ptr`` for an INT8 V
     cache, None for a 16-bit one."""
@@ -618,12 +647,23 @@ def ws_prefill_kernel(
     if vs_ptr is None:
         vs_smem: gl.constexpr = None
         v16_smem: gl.constexpr = None
-    else:  # INT8 V: its scales, and each consumer's fp16 copy of a tile
+    else:  # INT8 V: its scales, and the widener's fp16 copies of V tiles
         vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], SCALES)
         v16_smem = gl.allocate_shared_memory(
-            gl.float16, [CONSUMERS, BLOCK_N, HEAD_DIM],
+            gl.float16, [V16_BUFS, BLOCK_N, HEAD_DIM],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
     BARS: gl.constexpr = mbarrier.MBarrierLayout()
+    # an int8 V buffer goes back once the consumers read its scales and the widener its V
+    V_USERS: gl.constexpr = CONSUMERS if vs_ptr is None else CONSUMERS + 1
+    if vs_ptr is None:
+        v16_ready: gl.constexpr = None
+        v16_empty: gl.constexpr = None
+    else:
+        v16_ready = gl.allocate_shared_memory(gl.int64, [V16_BUFS, 1], BARS)
+        v16_empty = gl.allocate_shared_memory(gl.int64, [V16_BUFS, 1], BARS)
+        for i in gl.static_range(V16_BUFS):
+            mbarrier.init(v16_ready.index(i), count=1)
+            mbarrier.init(v16_empty.index(i), count=CONSUMERS)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], BARS)
@@ -635,13 +675,13 @@ def ws_prefill_kernel(
             mbarrier.init(k_ready.index(i), count=1 if ks_ptr is None else 2)
             mbarrier.init(v_ready.index(i), count=1 if vs_ptr is None else 2)
             mbarrier.init(k_empty.index(i), count=CONSUMERS)
-            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=V_USERS)
     else:  # one barrier pair per buffer serves K and V
         v_ready = k_ready
         v_empty = k_empty
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1 if ks_ptr is None and vs_ptr is None else 2)
-            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+            mbarrier.init(k_empty.index(i), count=V_USERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
 
@@ -651,9 +691,10 @@ def ws_prefill_kernel(
              (stride_ksb, stride_kst, stride_ksh), (stride_vsb, stride_vst, stride_vsh),
              stride_btn)
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
-            v_ready, k_empty, v_empty, turn, sm_scale_log2, num_q_heads, q_start, q_len,
-            seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
-            stride_qsh)
+            v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
+            q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
+            stride_qst, stride_qsh)
+    widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
@@ -661,13 +702,15 @@ def ws_prefill_kernel(
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            (_widener, (widens, STAGES, COPY_TPW_D)),
+        ], [4, 1, WIDEN_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
-        ], [1], [PRODUCER_REGS])
+            (_widener, (widens, STAGES, COPY_TPW_D)),
+        ], [1, WIDEN_WARPS], [PRODUCER_REGS, PRODUCER_REGS])
 
 
 # ---- "cp": one partition, cp.async -------------------------------------------------------

@@ -2,8 +2,8 @@
 than one query token per sequence on an sm_90 GPU, where the Q·K^T of one key tile overlaps
 the softmax of another. One "ws" kernel serves every cache kind: 16-bit K and V (the float
 op: a bf16/fp16 Q·K^T), INT8 K with a 16-bit V (an int8 Q·K^T over the query quantized per
-(token, head)) and INT8 K+V (V widened to fp16 in shared memory, P' = p * v_scale in fp16),
-at head_dim 64, 128 and 256.
+(token, head)) and INT8 K+V (V widened to fp16 in shared memory by warps of its own,
+P' = p * v_scale in fp16), at head_dim 64, 128 and 256.
 
 Two pipelines (``GluonPlan.pipeline``): "ws", warp-specialized with TMA loads of the pages
 (FlashAttention-3's structure; the default wherever the cache's page size and strides allow
@@ -15,15 +15,15 @@ Priority 160, above triton_prefill (150), but the op's own choice takes it only 
 measured faster (``defers``, ``FASTER_FROM``): on the H200 (bench_prefill.py,
 benchmarks/results/prefill_h200_2026-12-02_tiles.json, the table in benchmarks/README.md)
 "ws" took 0.57-0.81x triton_prefill's time for 16-bit K/V at head_dim 128 (but 1.05x at
-q_len 64) and 0.74-0.88x at 256, from q_len 4 up; 0.60-0.77x for INT8 K at 128 and 256 from
-q_len 512 up; 0.72-0.98x for INT8 K+V at 128 and 256 from 64 up; elsewhere it was slower or
-even. Those runs had every sequence's query of one length. The grid sizes its tiles by the
-longest query (``default_plan``); where the sizes do not prove the lengths equal
-(num_tokens = batch x max_query_len, or one sequence: no length is read), the sequences
-short enough for the packed tile of one-token queries get a launch of their own
-(``default_plans``), as triton_prefill's do. The op's choice takes such a batch only where
-those launches measured faster (``UNEQUAL_FASTER``: 16-bit K/V at head_dim 256); elsewhere a
-batch of queries that may differ stays with triton_prefill.
+q_len 64) and 0.74-0.88x at 256, from q_len 4 up; 0.60-0.77x for INT8 K at 128 from q_len
+512 up and at 256 from 4 up; 0.72-0.98x for INT8 K+V at 128 and 256 from 64 up (before its
+widener partition); elsewhere it was slower or even. Those runs had every sequence's query
+of one length. The grid sizes its tiles by the longest query (``default_plan``); where the
+sizes do not prove the lengths equal (num_tokens = batch x max_query_len, or one sequence:
+no length is read), the sequences short enough for the packed tile of one-token queries get
+a launch of their own (``default_plans``), as triton_prefill's do. The op's choice takes
+such a batch only where those launches measured faster (``UNEQUAL_FASTER``: 16-bit K/V at
+head_dim 256); elsewhere a batch of queries that may differ stays with triton_prefill.
 PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
@@ -84,10 +84,11 @@ PRODUCER_REGS = 40
 # prefill_h200_2026-12-02_tiles.json; head_dim 64 from that day's tile sweep); a kind and
 # head_dim not listed stays with triton_prefill. 16-bit K/V at 128 from q_len 2: it took
 # 0.57-0.81x triton_prefill's time at q_len 4 and from 512 up, and 1.05x at 64. INT8 K from
-# 512: at q_len 64 it took 1.13-1.5x (0.62-0.96x in the run before, with the older tiles and
-# quantization kernel; not explained).
+# 512 at head_dim 64 and 128: at q_len 64 it took 0.81-2.04x, not the same in any two runs
+# (not explained). At 256 from q_len 2: 0.66-0.76x at q_len 4 and 64 in the last two runs
+# (records prefill_h200_2026-12-02_with_widening.json and ..._with_widening_partition.json).
 FASTER_FROM = {("float", 64): 512, ("float", 128): 2, ("float", 256): 2,
-               ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 512,
+               ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 2,
                ("int8_kv", 128): 64, ("int8_kv", 256): 64}
 # (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
 # the short ones, default_plans) measured faster than triton_prefill's: the op without
