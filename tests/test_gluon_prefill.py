@@ -150,6 +150,19 @@ def test_queries_that_may_differ_get_a_packed_launch_first(gb, q_lens, hint, lau
         gb.check_plan(call, p)
 
 
+def test_default_plans_are_checked_once_per_signature(gb):
+    """prefill_into's launches without a plan: default_plans through check_plan, kept per
+    call signature and hint (the same tuple again), apart for another hint."""
+    case = _int8k([300, 2], [10, 10], kind="float")
+    call = case.call()
+    plans = gb.checked_default_plans(call)
+    assert plans == gb.default_plans(call) and len(plans) == 2  # packed launch first
+    assert gb.checked_default_plans(call) is plans
+    hinted = case.call(max_query_len=300)
+    assert gb.checked_default_plans(hinted) == gb.default_plans(hinted)
+    assert gb.checked_default_plans(hinted) is not plans
+
+
 @pytest.mark.parametrize(("q_lens", "spec", "hint", "why"), [
     ([2048], {}, None, None),  # one sequence: its query is the longest
     ([512, 512], {}, 512, None),  # 1024 tokens = 2 x 512: every query is 512 long

@@ -89,7 +89,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     PRODUCER_REGS,
     GluonPlan,
     check_plan,
-    default_plans,
+    checked_default_plans,
     swizzle_bytes,
     tma_rows,
 )
@@ -916,9 +916,9 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     backend's ``supports`` takes); ``plan`` (one launch) overrides the default launches
     (default_plans). Sequences of fewer than ``min_query_len`` query tokens are skipped
     (their rows left as they are), for a batch whose decode rows another kernel serves."""
-    plans = (plan,) if plan else default_plans(call)
-    for p in plans:
-        check_plan(call, p)
+    if plan:
+        check_plan(call, plan)
+    plans = (plan,) if plan else checked_default_plans(call)
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
         raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
                          f"{tuple(out.shape)} strides {tuple(out.stride())}")
