@@ -100,8 +100,8 @@ from pagedfuse.ops.triton_quantize import quantize_int8
 MAGIC = gl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
 MAGIC_F = gl.constexpr(12582912.0)
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup of the "ws" kernel
-# "ws" with an INT8 V cache: the widener's warps (with the producer warp they fill one
-# warpgroup at the producer's registers, which a 1-warp producer padded before) and its fp16
+# "ws" with an INT8 V cache: the widener's warps (they share the producer warp's warpgroup
+# and its registers, warps that Triton otherwise pads that warpgroup with) and its fp16
 # copies of V tiles, shared by the consumers (one being read while the next is written)
 WIDEN_WARPS = gl.constexpr(2)
 V16_BUFS = gl.constexpr(2)
@@ -613,11 +613,10 @@ def ws_prefill_kernel(
     KV_RINGS: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
-    partition), plus consumer 1 (BLOCK_M 128), the producer warp and the widener's warps (idle
-    without an INT8 V cache). The caches' kinds come
-    from the arguments: an int8 query with its scales ``qs_ptr`` for an INT8 K cache (with
-    ``ks_ptr``), a 16-bit one and None for a 16-bit K cache; ``vs_ptr`` for an INT8 V
-    cache, None for a 16-bit one."""
+    partition), plus consumer 1 (BLOCK_M 128), the producer warp and the widener's warps
+    (idle without an INT8 V cache). The caches' kinds come from the arguments: an int8 query
+    with its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None
+    for a 16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     pid_h = gl.program_id(0)
     tile = gl.num_programs(1) - 1 - gl.program_id(1)  # causal: the longest tiles first
