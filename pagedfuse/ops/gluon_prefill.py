@@ -917,7 +917,9 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     (their rows left as they are), for a batch whose decode rows another kernel serves."""
     if plan:
         check_plan(call, plan)
-    plans = (plan,) if plan else checked_default_plans(call)
+        plans = (plan,)
+    else:
+        plans = checked_default_plans(call)
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
         raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
                          f"{tuple(out.shape)} strides {tuple(out.stride())}")

@@ -161,8 +161,8 @@ def default_plans(call: PagedCall) -> tuple[GluonPlan, ...]:
 
 
 # default_plans, checked, per call signature (the Geometry: shapes, strides, dtypes) and
-# hint, all they depend on: an eager call would otherwise work them out again (40 µs of host
-# time on a 2-core CI machine's CPU, beside kernels of 0.15 ms at q_len 4)
+# hint, all they depend on: an eager call would otherwise work them out again, tens of µs of
+# host time beside kernels of 0.15 ms at q_len 4
 _PLANS: SignatureCache[tuple, tuple[GluonPlan, ...]] = SignatureCache()
 
 
