@@ -1,13 +1,16 @@
-"""bf16 paged prefill on the GPU: cuDNN's paged SDPA (backend ``cudnn_prefill``) against our
-Triton prefill kernel (``triton_prefill``) and SDPA on contiguous K/V (cuDNN, flash), in one
-run, on bench_prefill.py's cases (its Case, peers, reference and timer) plus a mixed batch of
-decode rows and prompt chunks. Per entry: ms (do_bench median), TFLOP/s of causal pairs,
-error against fp32 attention; for the two paged backends also the host time of an eager call
-and the time of a CUDA graph replay. Then the other terms of the comparison, per backend:
-capture in a CUDA graph (100 replays equal to eager), host synchronisation (none may occur:
-torch's sync debug mode raises), a compiled caller with a varying token count (recompiles,
-cuDNN graphs built, first-call seconds), and install weight; and what cuDNN itself writes in
-rows that read no key (the backend zeroes them afterwards).
+"""bf16 paged prefill on the GPU: the libraries that read a paged cache in place, cuDNN's
+paged SDPA (backend ``cudnn_prefill``) and, where it is installed, FlashInfer's paged
+prefill (flashinfer_paged.py: its fa3 and fa2 kernels), against our prefill kernels
+(``triton_prefill``, ``gluon_prefill``) and SDPA on contiguous K/V (cuDNN, flash), in one
+run, on bench_prefill.py's cases (its Case, peers, reference and timer) plus a mixed batch
+of decode rows and prompt chunks. Per entry: ms (do_bench median), TFLOP/s of causal pairs,
+error against fp32 attention; for our backends and cuDNN's also the host time of an eager
+call and the time of a CUDA graph replay. Then the other terms of the comparison, per
+backend: capture in a CUDA graph (100 replays equal to eager), host synchronisation (none
+may occur: torch's sync debug mode raises), a compiled caller with a varying token count
+(recompiles, cuDNN graphs built, first-call seconds), install weight, FlashInfer's the same
+way (flashinfer_paged.checks); and what cuDNN itself writes in rows that read no key (the
+backend zeroes them afterwards).
 
     python benchmarks/bench_library_prefill.py --json out.json
     python benchmarks/bench_library_prefill.py --precompile-only   # Triton kernels to disk
@@ -32,13 +35,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefill as bp  # noqa: E402  (also puts tests/ on the path)
+import flashinfer_paged  # noqa: E402
 from helpers.prefill import paged_call  # noqa: E402
 
 from pagedfuse import envs  # noqa: E402
 from pagedfuse.ops import cudnn_paged  # noqa: E402
 from pagedfuse.ops.backends import get_backend  # noqa: E402
 
-BACKENDS = ("triton_prefill", "cudnn_prefill")
+OURS = ("triton_prefill", "gluon_prefill")
+BACKENDS = (*OURS, "cudnn_prefill")
 PEERS = ("cudnn", "flash")  # SDPA on contiguous, GQA-expanded K/V
 MIXED = dict(decode_rows=60, chunks=2, chunk=512, history=8192)  # issue 22's mixed batch
 
@@ -133,7 +138,23 @@ def methods(case) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
     call = case.call("bf16")
     for name in BACKENDS:
         out[name] = ("thd", lambda name=name: run_backend(name, call))
+    if flashinfer_paged.version():
+        out.update({f"flashinfer {b}": ("thd", flashinfer_peer(call, b))
+                    for b in flashinfer_paged.BACKENDS})
     return out
+
+
+def flashinfer_peer(call, backend: str) -> Callable[[], torch.Tensor]:
+    """FlashInfer's run on ``call``, planned at its first call (which the first-call time
+    then holds, with its module's load); the timed calls are runs alone."""
+    planned: list = []
+
+    def run() -> torch.Tensor:
+        if not planned:
+            planned.append(flashinfer_paged.Paged(call, backend))
+        return planned[0].run()
+
+    return run
 
 
 def run_cases(cases: list, budget: float) -> list[dict]:
@@ -183,19 +204,22 @@ def line(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: ms (TFLOP/s) per method and case, then cuDNN paged / triton_prefill."""
+    """Markdown: ms (TFLOP/s) per method and case, then our faster kernel's time over the
+    fastest library's."""
     names = list(dict.fromkeys(r["method"] for r in rows if "method" in r))
     keys = list(dict.fromkeys((r["geometry"], r["case"]) for r in rows if "case" in r))
     by = {(r["geometry"], r["case"], r["method"]): r for r in rows if "method" in r}
-    lines = ["| geometry | case | " + " | ".join(names) + " | triton / cuDNN time |",
+    lines = ["| geometry | case | " + " | ".join(names) + " | ours / library time |",
              "|---|---|" + "---|" * (len(names) + 1)]
     for g, c in keys:
         cells = []
         for n in names:
             r = by.get((g, c, n), {})
             cells.append(f"{r['ms']:.3g} ({r['tflops']:.0f})" if "ms" in r else "-")
-        ours, lib = by.get((g, c, "triton_prefill"), {}), by.get((g, c, "cudnn_prefill"), {})
-        ratio = f"{ours['ms'] / lib['ms']:.2f}x" if "ms" in ours and "ms" in lib else "-"
+        ours, lib = ([by[g, c, n]["ms"] for n in group if "ms" in by.get((g, c, n), {})]
+                     for group in (OURS, [n for n in names if n not in OURS and
+                                          not n.startswith("SDPA")]))
+        ratio = f"{min(ours) / min(lib):.2f}x" if ours and lib else "-"
         lines.append(f"| {g} | {c} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 
@@ -305,7 +329,7 @@ def install_weight(wheel: str | None) -> dict:
     out: dict = {}
     if wheel and Path(wheel).exists():
         out["frontend_wheel_mb"] = round(Path(wheel).stat().st_size / 2**20, 1)
-    for dist in ("nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "triton"):
+    for dist in ("nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "triton", "flashinfer-python"):
         try:
             files = importlib.metadata.files(dist) or []
             size = sum((f.size or 0) for f in files)
@@ -386,6 +410,10 @@ def checks(geo: tuple[int, int, int], wheel: str | None) -> dict:
         entry["compile_dynamic"] = check_compile(name, geo)
         out[name] = entry
         print(name, json.dumps(entry), flush=True)
+    if flashinfer_paged.version():
+        out["flashinfer"] = flashinfer_paged.checks(
+            call, lambda q_len: bp.Case(geo, 4, 4096, q_len, light=True).call("bf16"))
+        print("flashinfer", json.dumps(out["flashinfer"]), flush=True)
     for name, fn in (("host_us", lambda: host_split(geo)),
                      ("cudnn_rows_without_keys", cudnn_rows_without_keys),
                      ("install", lambda: install_weight(wheel)),
@@ -422,7 +450,7 @@ def main() -> None:
     if args.host_only:
         print(json.dumps(host_split(bp.GEOMETRIES["llama3_8b"]), indent=1))
         return
-    jobs = [(bp.GEOMETRIES[g], *c, "bf16", "half", None) for g in args.geometries
+    jobs = [(bp.GEOMETRIES[g], *c, "bf16", "half", None, {}) for g in args.geometries
             for c in bp.CASES]
     bp.precompile(jobs, args.workers)
     if args.precompile_only:
@@ -433,7 +461,8 @@ def main() -> None:
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
            "cudnn_frontend": cudnn.__version__, "cudnn_backend": cudnn.backend_version(),
-           "torch_cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+           "torch_cudnn": torch.backends.cudnn.version(), "flashinfer": flashinfer_paged.version(),
+           "python": platform.python_version(),
            "argv": sys.argv[1:]}
     print(env, flush=True)
     rows = run_cases(case_list(args.geometries, not args.no_mixed), args.budget)

@@ -292,41 +292,70 @@ def pv_precision(record: dict) -> tuple[str, str]:
     return ran_on, table(head, rows) + (f"\n\nNote: {notes}" if notes else "")
 
 
+LIBRARIES = ("cudnn_prefill", "flashinfer fa3", "flashinfer fa2")  # paged, read in place
+OURS_PREFILL = ("triton_prefill", "gluon_prefill")
+
+
 def library_prefill(record: dict) -> tuple[str, str]:
-    """Our prefill kernel against cuDNN's paged SDPA (the opt-in backend) per case, beside
-    the fastest contiguous SDPA, and the checks that decide whether a library is taken."""
+    """Our faster prefill kernel against each library that reads the pages in place, per case,
+    beside the fastest contiguous SDPA, and the checks that decide whether a library is
+    taken."""
     env = record["env"]
+    fi = f", FlashInfer {env['flashinfer']}" if env.get("flashinfer") else ""
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN frontend "
-              f"{env['cudnn_frontend']} (backend {env['cudnn_backend']}), Python "
+              f"{env['cudnn_frontend']} (backend {env['cudnn_backend']}){fi}, Python "
               f"{env['python']}; `bench_library_prefill.py {shlex.join(env['argv'])}`")
     by_case = _timed_by_case(record, ("geometry", "case"))
+    libs = [m for m in LIBRARIES if any(m in methods for methods in by_case.values())]
     rows = []
     for (geo, case), methods in by_case.items():
-        ours, lib = methods.get("triton_prefill"), methods.get("cudnn_prefill")
+        ours = min((methods[m] for m in OURS_PREFILL if m in methods), default=None,
+                   key=lambda r: r["ms"])
+        lib = min((methods[m] for m in libs if m in methods), default=None,
+                  key=lambda r: r["ms"])
         sdpa = [methods[m] for m in ("SDPA cudnn", "SDPA flash") if m in methods]
         best = min(sdpa, key=lambda r: r["ms"]) if sdpa else None
-        rows.append([geo, case, _ms(ours["ms"]) if ours else "n/a",
-                     _ms(lib["ms"]) if lib else "n/a",
-                     f"{ours['ms'] / lib['ms']:.2f}x" if ours and lib else "n/a",
+        cudnn = methods.get("cudnn_prefill")
+        rows.append([geo, case, f"{ours['method']} {_ms(ours['ms'])}" if ours else "n/a",
+                     *(_ms(methods[m]["ms"]) if m in methods else "n/a" for m in libs),
+                     f"{ours['ms'] / lib['ms']:.2f}x ({lib['method']})" if ours and lib
+                     else "n/a",
                      f"{best['method']} {_ms(best['ms'])}" if best else "n/a",
                      f"{_us(ours.get('host_us')) if ours else 'n/a'} / "
-                     f"{_us(lib.get('host_us')) if lib else 'n/a'}"])
-    head = ["geometry", "case", "triton_prefill, ms", "cudnn_prefill, ms",
-            "cuDNN speed x ours", "fastest contiguous SDPA, ms", "host µs per eager call "
-            "(ours / cuDNN)"]
+                     f"{_us(cudnn.get('host_us')) if cudnn else 'n/a'}"])
+    head = ["geometry", "case", "ours, ms", *(f"{m}, ms" for m in libs),
+            "fastest library's speed x ours", "fastest contiguous SDPA, ms",
+            "host µs per eager call (ours / cuDNN)"]
     checks = record.get("checks", {})
     lines = [f"- {name}: CUDA graph replays equal eager: {c['replays_equal_eager']}; "
              f"{c['sync']}; compiled with dynamic=True: "
              f"{c['compile_dynamic'].get('recompiled_graphs', 'n/a')} graph(s)"
-             for name, c in checks.items() if name in ("triton_prefill", "cudnn_prefill")]
+             for name, c in checks.items() if name in (*OURS_PREFILL, "cudnn_prefill")]
+    for backend, c in checks.get("flashinfer", {}).items():
+        if isinstance(c, dict):
+            lines.append(f"- flashinfer {backend}: {_flashinfer_checks(c)}")
     install = checks.get("install")
     if install:
-        lines.append(f"- install: the frontend wheel {install['frontend_wheel_mb']} MB "
+        lines.append(f"- install: the cuDNN frontend wheel {install['frontend_wheel_mb']} MB "
                      f"({install['nvidia-cudnn-frontend_installed_mb']} MB installed; "
                      "libcudnn ships with torch)")
     note = ("ms per call (do_bench medians), bf16, 16-token pages; decision and the op-contract "
             "difference (NaN in unread V slots): docs/library-kernels.md.")
     return ran_on, note + "\n\n" + table(head, rows) + "\n\n" + "\n".join(lines)
+
+
+def _flashinfer_checks(c: dict) -> str:
+    """One line of FlashInfer's checks (each a dict, or the error that stopped it)."""
+    def part(name: str, fmt) -> str:
+        got = c.get(name)
+        return f"{name}: {fmt(got)}" if isinstance(got, dict) and "error" not in got \
+            else f"{name}: {got.get('error') if isinstance(got, dict) else got}"
+
+    return "; ".join((
+        part("capture", lambda g: f"replays equal eager: {g['replays_equal_eager']}"),
+        part("sync", lambda g: f"plan {g['plan']}, run {g['run']}"),
+        part("compile_dynamic", lambda g: f"{g['recompiled_graphs']} graph(s), first calls "
+             f"{g['first_call_s']} s")))
 
 
 def hf(record: dict) -> tuple[str, str]:

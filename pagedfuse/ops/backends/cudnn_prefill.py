@@ -4,10 +4,11 @@ one query token per sequence: bf16/fp16, no attn_bias, no window or soft cap, he
 stays true for decode too), Hopper or newer. Registered where ``nvidia-cudnn-frontend``
 (``pip install pagedfuse[cudnn]``) is installed next to a CUDA build of torch.
 
-Priority 140, below triton_prefill (150): on the H200 cuDNN is 1.3-1.7x faster at head_dim
-128/256 with 512 or more query tokens per sequence and slower at head_dim 64 and on short
-queries (docs/library-kernels.md, benchmarks/results/library_prefill_h200_2026-12-01.json);
-the registry has no per-call preference yet, so it runs where PAGEDFUSE_BACKEND names it."""
+Priority 140, below triton_prefill (150) and gluon_prefill (160): on the H200 it took
+0.98-1.12x the Gluon kernel's time at head_dim 128 and 0.90-1.00x at 256 with 512 or more
+query tokens per sequence, and lost at head_dim 64 and on short queries (docs/library-kernels.md,
+benchmarks/results/library_prefill_h200_2026-12-02_with_flashinfer.json); the registry has
+no per-call preference yet, so it runs where PAGEDFUSE_BACKEND names it."""
 
 from __future__ import annotations
 
