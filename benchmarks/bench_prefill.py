@@ -4,11 +4,13 @@ Cases (batch, seq_len, q_len) on the three preset geometries, page 16, NHD cache
 blocks in random order, bf16, bottom-right causal (each sequence's q_len queries are its
 last tokens). Side by side in one run: SDPA on contiguous K/V with GQA pre-expanded
 (cuDNN, flash, efficient; ``is_causal`` for full prefill, lower-right for chunks),
-FlexAttention compiled with a lower-right causal block mask (contiguous K/V, GQA), the eager
-gather + SDPA code users write, today's pagedfuse op (bf16 and INT8 K+V), and the prefill
-kernels (triton_prefill.py): bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers,
-P·V in bf16) and INT8 K+V with int8 P, and the Gluon kernels (gluon_prefill.py: "ws",
-warp-specialized with TMA, on bf16, INT8 K and INT8 K+V caches, "cp", cp.async, on INT8 K;
+FlexAttention compiled with a lower-right causal block mask (contiguous K/V, GQA), where
+installed cuDNN's paged SDPA on the same pages (backend ``cudnn_prefill``) and SageAttention
+(int8 Q·K^T on contiguous K/V, where it runs), the eager gather + SDPA code users write,
+today's pagedfuse op (bf16 and INT8 K+V), and the prefill kernels (triton_prefill.py):
+bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers, P·V in bf16) and INT8 K+V
+with int8 P, and the Gluon kernels (gluon_prefill.py: "ws", warp-specialized with TMA, on
+bf16, INT8 K and INT8 K+V caches, "cp", cp.async, on INT8 K;
 a case the backend declines records its reason as the entry's error). Times are medians of
 triton.testing.do_bench (its L2 clear between calls). TFLOP/s counts causal pairs only
 (4 * D * Hq per pair); for INT8 entries it is TOP/s of the same count. Errors are
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import itertools
 import json
 import math
@@ -234,6 +237,40 @@ def flex_method(case: Case, flex: Callable) -> Callable[[], torch.Tensor]:
                         enable_gqa=True)
 
 
+def cudnn_paged(case: Case) -> torch.Tensor:
+    """cuDNN's paged SDPA on the case's own pages (backend ``cudnn_prefill``, registered
+    where ``nvidia-cudnn-frontend`` is installed); a call it declines raises its reason."""
+    from pagedfuse.ops.backends import get_backend, registry
+
+    backend, call = get_backend("cudnn_prefill"), case.call("bf16")
+    if why := registry.reason(backend, call):
+        raise ValueError(f"cudnn_prefill declines: {why}")
+    out = torch.empty_like(case.q)
+    backend.run(call, out, None)
+    return out
+
+
+def sage_method(case: Case) -> Callable[[], torch.Tensor]:
+    """SageAttention (``sageattn``: Q and K quantized to int8 per block on every call, int8
+    Q·K^T, fp16 P·V) on contiguous K/V, GQA unexpanded, or a callable raising why it does
+    not run the case: version 1.0.6 serves head_dim 64, 96 and 128, and causal only where
+    the queries are all the keys. It subtracts K's mean from K in place, so it gets a copy."""
+    why = None
+    if case.geo[2] not in (64, 96, 128):
+        why = f"SageAttention 1.0.6: head_dim {case.geo[2]} not in 64, 96, 128"
+    elif case.q_len != case.seq_len:
+        why = "SageAttention 1.0.6: causal only where q_len == kv_len"
+    if why:
+        def declined() -> torch.Tensor:
+            raise ValueError(why)
+        return declined
+    from sageattention import sageattn
+
+    k = case.k_c.clone()
+    return lambda: sageattn(case.q4, k, case.v_c, tensor_layout="HND", is_causal=True,
+                            sm_scale=case.scale)
+
+
 def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
     from pagedfuse.ops.triton_prefill import prefill_into
 
@@ -275,6 +312,12 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     if flex is not None:
         out["FlexAttention"] = ("bf16", "bhqd", flex_method(case, flex))
     out["eager gather+SDPA"] = ("bf16", "bhqd", lambda: gather_sdpa(case))
+    from pagedfuse.ops.backends import registry
+
+    if any(b.name == "cudnn_prefill" for b in registry.all_backends()):
+        out["cuDNN paged"] = ("bf16", "thd", lambda: cudnn_paged(case))
+    if importlib.util.find_spec("sageattention"):
+        out["SageAttention"] = ("bf16", "bhqd", sage_method(case))
     out["pagedfuse op bf16"] = ("bf16", "thd", lambda: OPS.paged_attention(
         case.q, case.kc, case.vc, *tail))
     out["pagedfuse op INT8 K+V"] = ("int8_kv", "thd", lambda: OPS.paged_attention_int8(

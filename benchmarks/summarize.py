@@ -126,7 +126,8 @@ def prefill(record: dict) -> tuple[str, str]:
               f"{env['cudnn']}, Python {env['python']}; `bench_prefill.py "
               f"{shlex.join(env['argv'])}`")
     by_case = _timed_by_case(record, ("geometry", "batch", "seq_len", "q_len"))
-    peers = ("SDPA cudnn", "SDPA flash", "SDPA efficient", "FlexAttention", "eager gather+SDPA")
+    peers = ("SDPA cudnn", "SDPA flash", "SDPA efficient", "FlexAttention", "cuDNN paged",
+             "eager gather+SDPA")  # bf16 entries: the bars' "fastest bf16 entry"
     kinds = {"bf16": ("prefill bf16", "gluon bf16 ws"),
              "INT8 K": ("prefill INT8 K", "gluon INT8 K ws"),
              "INT8 K+V": ("prefill INT8 K+V", "gluon INT8 K+V ws")}
@@ -146,6 +147,8 @@ def prefill(record: dict) -> tuple[str, str]:
                 ratios.append(f"{fastest['bf16'] / fastest[kind]:.2f}x bf16")
             if fastest[kind] and best:
                 ratios.append(f"{methods[best]['ms'] / fastest[kind]:.2f}x peer")
+            if kind != "bf16" and fastest[kind] and "SageAttention" in methods:
+                ratios.append(f"{methods['SageAttention']['ms'] / fastest[kind]:.2f}x Sage")
             cells.append(", ".join(ratios) or "n/a")
         rows.append(cells)
     head = ["geometry", "B, L, q", "fastest peer, ms"]
@@ -154,8 +157,9 @@ def prefill(record: dict) -> tuple[str, str]:
     note = ("ms per call (do_bench medians) of the Triton prefill kernel (triton_prefill, the "
             "op's default) and the warp-specialized Gluon kernel (gluon_prefill \"ws\"); "
             "speed as a multiple of pagedfuse's faster bf16 kernel and of the fastest peer "
-            "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, eager gather + "
-            "SDPA). TFLOP/s for every entry are in the record.")
+            "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, cuDNN's paged SDPA, "
+            "eager gather + SDPA), and for INT8 of SageAttention where it ran. TFLOP/s for "
+            "every entry are in the record.")
     mixed = [f"{m['geometry']} {m['kind']}: {_ms(m['mixed'])} against {_ms(m['decode part'])} "
              f"+ {_ms(m['prefill part'])} for its parts ({m['vs_sum']:.2f}x)"
              for m in env.get("mixed", []) if "vs_sum" in m]
