@@ -55,6 +55,18 @@ def captured(fn: Callable) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replays_equal(graph: torch.cuda.CUDAGraph, out: torch.Tensor, eager: torch.Tensor,
+                  replays: int = 100) -> bool:
+    """Whether every replay of ``graph`` writes ``eager`` into ``out`` (poisoned before each
+    replay, so a graph that recorded nothing fails)."""
+    same = True
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        same &= bool(torch.equal(out, eager))
+    return same
+
+
 def replay_us(graph: torch.cuda.CUDAGraph, flush: Callable[[], object]) -> float:
     """µs from an event before to an event after one replay of ``graph``, ``flush`` run
     first (median_replay_us: bench's read flush, and the scripts that time replays by
