@@ -6,9 +6,11 @@ counts of HGMMA (16-bit) / IGMMA (int8) / HMMA / IMMA (the older warp-level MMAs
 ptxas's registers, spills and shared memory, and the order of the asynchronous work in the
 key loop without masks (``loop``): whether a Q·K^T wgmma is still in flight while the softmax
 runs (``qk_wait_before_softmax``: a ``wgmma.wait_group 0`` between the loop's first wgmma
-and its first ``ex2``, i.e. no overlap) and whether the kernel is warp-specialized
-(``setmaxnreg``). Triton's own compiler runs against a stand-in driver that names the
-target, so this runs on any machine with Triton installed; on the H200 bench_prefill.py
+and its first ``ex2``, i.e. no overlap), whether the kernel is warp-specialized
+(``setmaxnreg``), and the SASS key loop's instructions per thread and key tile on its
+shortest and longest paths (``sass_loop``: the tile every row reads whole, the masked one).
+Triton's own compiler runs against a stand-in driver that names the target, so this runs on
+any machine with Triton installed; on the H200 bench_prefill.py
 --asm reads the same from the kernels it actually ran.
 
     python benchmarks/prefill_asm.py                 # every geometry and kind, default plans
@@ -294,6 +296,7 @@ def inspect(kernel, ptxas: bool = True) -> dict:
         sass = subprocess.run([_toolkit("cuobjdump"), "--dump-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
         info["sass_mma"] = dict(Counter(MMA.findall(sass)))
+        info.update(sass_loop(sass))
         if info["setmaxnreg"]:
             info["local_ops"] = partition_local_ops(sass)
         if ptxas:
@@ -307,6 +310,63 @@ def inspect(kernel, ptxas: bool = True) -> dict:
             info["registers"] = int(regs.group(1)) if regs else None
             info["spill_bytes"] = int(spill.group(1)) + int(spill.group(2)) if spill else None
     return info
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+GMMA = ("HGMMA", "IGMMA", "QGMMA")
+
+
+def sass_loop(sass: str, max_paths: int = 64) -> dict:
+    """The key loop in SASS: the first loop (a branch back to an earlier address) that issues
+    GMMA and holds no other such loop, i.e. the first consumer's key loop. One iteration's
+    paths from its head to its back edge: a conditional branch forward inside the loop forks
+    a path, one backward (a barrier's wait loop, the head's own too) or out of the loop (a
+    wait's slow path) is taken as not taken. ``min``/``max``: the instructions of the
+    shortest path (the tile every row reads whole) and the longest (the masked tile),
+    ``ops``: the shortest path's opcodes, most frequent first. Counts are per thread and key
+    tile."""
+    code = {}  # address -> (predicated, opcode, operands)
+    for m in SASS_LINE.finditer(sass):
+        code[int(m.group(1), 16)] = (bool(m.group(2)), m.group(3), m.group(4))
+    addrs = sorted(code)
+    nxt = dict(zip(addrs, addrs[1:], strict=False))  # each address to the next
+    loops = []  # (head, back edge)
+    for a in addrs:
+        pred, op, rest = code[a]
+        if op == "BRA" and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < a:
+            head = int(t.group(1), 16)
+            if any(code[b][1].split(".")[0] in GMMA for b in addrs if head <= b <= a):
+                loops.append((head, a))
+    inner = [(h, e) for h, e in loops
+             if not any(h <= h2 and e2 <= e and (h2, e2) != (h, e) for h2, e2 in loops)]
+    if not inner:
+        return {"sass_loop": None}
+    head, end = min(inner)
+    paths, stack = [], [(head, [])]
+    while stack and len(paths) < max_paths:
+        a, path = stack.pop()
+        while a is not None and head <= a <= end:
+            pred, op, rest = code[a]
+            path.append(op)
+            target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+            t = int(target.group(1), 16) if target else None
+            if a == end or op == "EXIT" or (op == "BRA" and t == head and not pred):
+                paths.append(path)
+                break
+            if t is not None and a < t <= end:
+                if pred:
+                    stack.append((t, list(path)))
+                else:
+                    a = t
+                    continue
+            a = nxt.get(a)
+    if not paths:
+        return {"sass_loop": None}
+    shortest = min(paths, key=len)
+    return {"sass_loop": {"paths": len(paths), "min": len(shortest),
+                          "max": max(len(p) for p in paths),
+                          "ops": dict(Counter(op.split(".")[0] for op in shortest)
+                                      .most_common(12))}}
 
 
 def partition_local_ops(sass: str) -> dict[str, int]:
