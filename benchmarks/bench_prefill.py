@@ -237,33 +237,39 @@ def flex_method(case: Case, flex: Callable) -> Callable[[], torch.Tensor]:
                         enable_gqa=True)
 
 
-def cudnn_paged(case: Case) -> torch.Tensor:
+def declined(why: str) -> Callable[[], torch.Tensor]:
+    """A method for a case its kernel does not run: calling it raises ``why``, which the
+    case's row then records as its error."""
+    def run() -> torch.Tensor:
+        raise ValueError(why)
+    return run
+
+
+def cudnn_paged_method(case: Case) -> Callable[[], torch.Tensor]:
     """cuDNN's paged SDPA on the case's own pages (backend ``cudnn_prefill``, registered
-    where ``nvidia-cudnn-frontend`` is installed); a call it declines raises its reason."""
+    where ``nvidia-cudnn-frontend`` is installed), or ``declined`` with its reason."""
     from pagedfuse.ops.backends import get_backend, registry
 
     backend, call = get_backend("cudnn_prefill"), case.call("bf16")
     if why := registry.reason(backend, call):
-        raise ValueError(f"cudnn_prefill declines: {why}")
-    out = torch.empty_like(case.q)
-    backend.run(call, out, None)
-    return out
+        return declined(f"cudnn_prefill declines: {why}")
+
+    def run() -> torch.Tensor:
+        out = torch.empty_like(case.q)
+        backend.run(call, out, None)
+        return out
+    return run
 
 
 def sage_method(case: Case) -> Callable[[], torch.Tensor]:
     """SageAttention (``sageattn``: Q and K quantized to int8 per block on every call, int8
-    Q·K^T, fp16 P·V) on contiguous K/V, GQA unexpanded, or a callable raising why it does
-    not run the case: version 1.0.6 serves head_dim 64, 96 and 128, and causal only where
-    the queries are all the keys. It subtracts K's mean from K in place, so it gets a copy."""
-    why = None
+    Q·K^T, fp16 P·V) on contiguous K/V, GQA unexpanded, or ``declined`` where it does not
+    run the case: version 1.0.6 serves head_dim 64, 96 and 128, and causal only where the
+    queries are all the keys. It subtracts K's mean from K in place, so it gets a copy."""
     if case.geo[2] not in (64, 96, 128):
-        why = f"SageAttention 1.0.6: head_dim {case.geo[2]} not in 64, 96, 128"
-    elif case.q_len != case.seq_len:
-        why = "SageAttention 1.0.6: causal only where q_len == kv_len"
-    if why:
-        def declined() -> torch.Tensor:
-            raise ValueError(why)
-        return declined
+        return declined(f"SageAttention 1.0.6: head_dim {case.geo[2]} not in 64, 96, 128")
+    if case.q_len != case.seq_len:
+        return declined("SageAttention 1.0.6: causal only where q_len == kv_len")
     from sageattention import sageattn
 
     k = case.k_c.clone()
@@ -315,7 +321,7 @@ def methods(case: Case, flex: Callable | None, plans: dict) -> dict:
     from pagedfuse.ops.backends import registry
 
     if any(b.name == "cudnn_prefill" for b in registry.all_backends()):
-        out["cuDNN paged"] = ("bf16", "thd", lambda: cudnn_paged(case))
+        out["cuDNN paged"] = ("bf16", "thd", cudnn_paged_method(case))
     if importlib.util.find_spec("sageattention"):
         out["SageAttention"] = ("bf16", "bhqd", sage_method(case))
     out["pagedfuse op bf16"] = ("bf16", "thd", lambda: OPS.paged_attention(
