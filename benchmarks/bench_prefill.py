@@ -71,7 +71,7 @@ MIXED = {"decode_rows": 60, "chunks": 2, "chunk": 512, "history": 8192}
 # exist), every request packed into one sequence read through a per-token index (page 1)
 # under an additive mask (0 / finfo.min, causal; keys past the last existing one padding)
 PACKED_BIAS = ((4096, 4096, 4096), (4096, 4608, 4096), (2048, 8192, 6144))
-PAGE = 16
+PAGE = 16  # tokens per page (--page: the cost of the page gather, against larger pages)
 KINDS = ("bf16", "int8_k", "int8_kv")
 DEVICE = "cuda"  # the Triton interpreter's dry run of this script sets "cpu"
 OPS = torch.ops.pagedfuse
@@ -407,11 +407,17 @@ def _compile_job(job: tuple) -> str:
     return f"{kind} {plans} {time.time() - t:.1f}s"
 
 
+def _set_page(page: int) -> None:
+    global PAGE
+    PAGE = page
+
+
 def precompile(jobs: list[tuple], workers: int) -> None:
     """Compile the kernels in parallel processes first: Triton compiles one at a time per
     process, and the timed run then finds each in the disk cache."""
     t = time.time()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                             initializer=_set_page, initargs=(PAGE,)) as pool:
         done = list(pool.map(_compile_job, jobs))
     print(f"precompiled {len(done)} specializations in {time.time() - t:.0f} s "
           f"({workers} processes)", flush=True)
@@ -515,9 +521,9 @@ def run_sweep(args) -> list[dict]:
 
 
 def run_gluon_sweep(args) -> list[dict]:
-    """Time the Gluon "ws" kernel's keys per tile x buffers x K/V rings (the choices behind
-    backends/gluon_prefill.WS_TILES) per geometry and cache kind; a plan whose buffers
-    exceed the shared memory records the compiler's error."""
+    """Time the Gluon "ws" kernel's keys per tile x buffers x K/V rings (without, with, with
+    a V loader: the choices behind backends/gluon_prefill.WS_TILES) per geometry and cache
+    kind; a plan whose buffers exceed the shared memory records the compiler's error."""
     from pagedfuse.ops.backends import gluon_prefill as gb
     from pagedfuse.ops.gluon_prefill import prefill_into
 
@@ -529,16 +535,17 @@ def run_gluon_sweep(args) -> list[dict]:
             out = torch.empty_like(case.q)
             for kind in args.kinds:
                 call = case.call(kind)
-                for block_n, stages, kv_rings in itertools.product(gb.BLOCK_NS, range(2, 6),
-                                                                   (False, True)):
+                for block_n, stages, (kv_rings, v_loader) in itertools.product(
+                        gb.BLOCK_NS, range(2, 6), ((False, False), (True, False), (True, True))):
                     if time.time() > deadline:
                         break
                     row = {"geometry": gname, "geo": list(case.geo), "batch": batch,
                            "seq_len": seq_len, "q_len": q_len, "kind": kind,
-                           "block_n": block_n, "stages": stages, "kv_rings": kv_rings}
+                           "block_n": block_n, "stages": stages, "kv_rings": kv_rings,
+                           "v_loader": v_loader}
                     try:
                         plan = gb.make_plan(call, block_n=block_n, stages=stages,
-                                            kv_rings=kv_rings)
+                                            kv_rings=kv_rings, v_loader=v_loader)
                         row["ms"] = bench_ms(lambda p=plan, c=call, o=out: prefill_into(c, o, p))
                         row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
                     except Exception as exc:  # no such plan, or out of shared memory
@@ -776,7 +783,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xticks([x + 0.425 for x in range(len(cases))])
     ax.set_xticklabels([f"{g}\n{b}x{s} q{q}" for g, b, s, q in cases], fontsize=7)
     ax.set_ylabel("TFLOP/s (TOP/s for INT8), causal pairs")
-    ax.set_title("Paged prefill on the H200, bf16 page 16 (bench_prefill.py)")
+    ax.set_title(f"Paged prefill on the H200, bf16 page {PAGE} (bench_prefill.py)")
     ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -808,10 +815,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--methods", nargs="+",
                     help="time only the entries of these names (default: all)")
+    ap.add_argument("--page", type=int, default=PAGE,
+                    help="tokens per page of the cases' caches (still in random order)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    _set_page(args.page)
     if args.replot:
-        rows = json.loads(Path(args.replot).read_text())["rows"]
+        record = json.loads(Path(args.replot).read_text())
+        rows = record["rows"]
+        _set_page(record["env"].get("page", PAGE))
         print(table(rows))
         if args.plot:
             plot(rows, args.plot)
@@ -823,7 +835,7 @@ def main() -> None:
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-           "argv": sys.argv[1:]}
+           "page": PAGE, "argv": sys.argv[1:]}
     print(env, flush=True)
     plans = {}
     if args.plans:

@@ -53,7 +53,8 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
-# head_dim; K and V rings at page 256 (16-bit and INT8 V); one consumer with INT8 V; the cp
+# head_dim; K and V rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16
+# (INT8 V; 16-bit at head_dim 256 by default); one consumer with INT8 V; the cp
 # pipeline at page 1. Then mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks).
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
                causal=True)
@@ -66,6 +67,7 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
     gluon_cases += [
         (dict(prefill, head_dim=128, block_size=256), rings),
         (dict(prefill, head_dim=128, kind="int8_kv", block_size=256), rings),
+        (dict(prefill, head_dim=128, kind="int8_kv"), dict(rings, v_loader=True)),
         (dict(prefill, head_dim=128, kind="int8_kv"), dict(backend="gluon_prefill", block_m=64)),
         (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
          dict(backend="gluon_prefill", pipeline="cp")),

@@ -187,7 +187,8 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
     for r in record["rows"]:
         if "ms" in r:
             key = (r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"])
-            rings = " rings" if r.get("kv_rings") else ""
+            rings = (" rings + V loader" if r.get("v_loader") else " rings"
+                     if r.get("kv_rings") else "")
             cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}{rings}"] = r["ms"]
     rows = []
     for key, times in cells.items():
@@ -195,7 +196,8 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
         rows.append([*key, ", ".join(f"**{t}: {_ms(ms)}**" if t == best else f"{t}: {_ms(ms)}"
                                      for t, ms in times.items())])
     note = ("ms per call (do_bench medians, the query's quantization included) by keys per "
-            "tile / buffers (\"rings\": K and V buffers released apart); "
+            "tile / buffers (\"rings\": K and V buffers released apart; \"V loader\": V "
+            "loaded by a warp of its own); "
             "backends/gluon_prefill.py's WS_TILES takes the fastest per cache kind and "
             "head_dim.")
     return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "keys / buffers: ms"],
@@ -399,6 +401,26 @@ def cpu_decode(record: dict) -> tuple[str, str]:
     return ran_on, table(head, rows)
 
 
+def mma_rates(record: dict) -> tuple[str, str]:
+    """Sustained tensor-core rates per operand type, and the MMA-bound speed-up of INT8 K
+    (int8 Q·K^T, 16-bit P·V) over bf16 that they allow."""
+    env = record["env"]
+    ran_on = (f"{env['device']}, torch {env['torch']}, Triton {env['triton']}; "
+              f"`{env['command']}`")
+    ceiling = {(c["method"], c["n"], c["kind"]): c for c in record["ceilings"]}
+    rows = []
+    for r in record["rows"]:
+        c = ceiling.get((r["method"], r["n"], r["kind"]))
+        rows.append([r["method"], str(r["n"]), r["kind"],
+                     f"{r['tops']:.0f} ({r['min_tops']:.0f}-{r['max_tops']:.0f})",
+                     f"{r.get('sm_mhz', 0):.0f}", f"{r.get('power_w', 0):.0f}",
+                     f"{c['ratio']:.2f}" if c else "-",
+                     f"{c['int8_k_ceiling']:.3f}x" if c and c["kind"] == "int8" else "-"])
+    head = ["method", "N", "operands", "TFLOP/s (TOP/s), median (range)", "SM MHz at end",
+            "W at end", "rate / bf16's", "INT8 K ceiling over bf16"]
+    return ran_on, table(head, rows)
+
+
 SUMMARIES = (
     Summary("GPU decode", "bench_decode.py", "decode_*.json", decode,
             lambda r: r["env"]["date"]),
@@ -406,6 +428,8 @@ SUMMARIES = (
             lambda r: r["env"]["date"], skip=("_pv_int8",)),
     Summary("Gluon prefill tiles", "bench_prefill.py --gluon-sweep", "gluon_tiles_*.json",
             gluon_tiles, lambda r: r["env"]["date"]),
+    Summary("Tensor-core rates", "mma_rates.py", "mma_rates_*.json", mma_rates,
+            lambda r: r["env"]["date"]),
     Summary("Library kernels for prefill", "bench_library_prefill.py",
             "library_prefill_*.json", library_prefill, lambda r: r["env"]["date"],
             skip=("_host",)),

@@ -94,7 +94,7 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
             (128, "float"): (64, 4), (128, "int8_k"): (128, 4), (128, "int8_kv"): (128, 3),
             (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
     assert (plan.block_n, plan.stages) == want[head_dim, kind]
-    assert plan.kv_rings == ((head_dim, kind) == (256, "float"))
+    assert plan.kv_rings == plan.v_loader == ((head_dim, kind) == (256, "float"))
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
 
@@ -265,6 +265,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="cp", stages=2), "plan: stages 2 must be >= 3 for pipeline 'cp'"),
     (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
     (dict(pipeline="cp", kv_rings=True), "plan: kv_rings: the 'cp' pipeline has one ring"),
+    (dict(v_loader=True), "plan: v_loader needs kv_rings"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
                                      "to 128, not 256"),
 ])
@@ -386,18 +387,20 @@ def test_every_cache_kind_matches_the_reference(gb, name, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("v_loader", [False, True])
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size):
-    """K and V buffers released apart (kv_rings), two of each, in every cache kind: the
-    scales travel on their own cache's barrier, and the tile past a sequence's last key
-    (cp.async, zero-filled) is signalled on each."""
+def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size, v_loader):
+    """K and V buffers released apart (kv_rings), two of each, in every cache kind, loaded
+    by one warp or by two (v_loader): the scales travel on their own cache's barrier, and
+    the tile past a sequence's last key (cp.async, zero-filled) is signalled on each."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
     case = _int8k([1, 4, 17, 300], [1000, 0, 1, 200], device="cuda", seed=3, kind=kind,
                   block_size=block_size)
     hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
-    plan = gb.make_plan(case.call(**hints), block_n=64, stages=2, kv_rings=True)
+    plan = gb.make_plan(case.call(**hints), block_n=64, stages=2, kv_rings=True,
+                        v_loader=v_loader)
     got = case.run_backend(gb.BACKEND, plan, **hints)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(got, case.reference()) <= tol

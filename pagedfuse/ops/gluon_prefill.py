@@ -32,7 +32,10 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   (``GluonPlan.kv_rings``) K and V buffers have barriers of their own: a K buffer goes
   back once its Q·K^T and softmax are done, a tile before its V buffer, so that two
   buffers of longer tiles keep the producer ahead where shared memory holds no third
-  (the extra barrier work per tile costs where it does not).
+  (the extra barrier work per tile costs where it does not). With rings, ``V_LOADER``
+  (``GluonPlan.v_loader``) gives V tiles a one-warp loader of their own, so that the
+  producer's K boxes never wait behind V's (a 16-token page of a 16-bit row of 256 values
+  is four boxes per cache).
 - ``"cp"`` (gluon_prefill_kernel): one partition of ``block_m // 16`` warps; K, V and the
   key scales gathered through the block table with cp.async (any page size and stride),
   ``stages`` buffers deep (tile i in buffer i % stages; the copy of tile j + stages - 1 is
@@ -334,16 +337,20 @@ def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, k_scale, v_s
 
 @gluon.jit
 def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, KV_RINGS: gl.constexpr):
-    """One warp: fills buffer j % STAGES with key tile j once the consumers released it.
-    KV_RINGS: K and V buffers come back separately (K after Q·K^T and the softmax, V after
-    P·V), each signalled by its own barrier; otherwise one barrier pair serves both."""
+              STAGES: gl.constexpr, KV_RINGS: gl.constexpr, LOAD_K: gl.constexpr,
+              LOAD_V: gl.constexpr):
+    """One warp: fills buffer j % STAGES with key tile j once the consumers released it, of
+    the K cache (LOAD_K) and the V cache (LOAD_V; neither: nothing to do). KV_RINGS: K and V
+    buffers come back separately (K after Q·K^T and the softmax, V after P·V), each
+    signalled by its own barrier, so that two warps may load them (one each); otherwise one
+    barrier pair serves both and one warp loads both."""
     (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
      vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks, k_st,
      v_st, ks_st, vs_st, stride_btn) = args
     K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     V_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * v_desc.dtype.primitive_bitwidth // 8
-    SCALED: gl.constexpr = ks_ptr is not None or vs_ptr is not None
+    K_SCALED: gl.constexpr = LOAD_K and ks_ptr is not None
+    V_SCALED: gl.constexpr = LOAD_V and vs_ptr is not None
     KEYS: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
     # where the page (block, kvh) starts in the TMA views: row block * per_block + row0,
     # column col (int32: the backend checks that the views have fewer than 2**31 rows)
@@ -353,40 +360,44 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
     v_per_block = (v_st[0] // v_st[1]).to(gl.int32)
     v_row0 = ((kvh * v_st[2]) // v_st[1]).to(gl.int32)
     v_col = ((kvh * v_st[2]) % v_st[1]).to(gl.int32)
-    for j in range(num_tiles):
-        i = j % STAGES
-        phase = ((j // STAGES) & 1) ^ 1
-        start = j * BLOCK_N
-        # the scales (of a tile in the sequence), loaded before waiting for the buffer so
-        # that their latency overlaps the wait
-        if SCALED:
-            offs = start + gl.arange(0, BLOCK_N, KEYS)
-            ok = offs < seq_len
-            blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
-                                        other=0), num_blocks)
-        if ks_ptr is None:
-            k_scale: gl.constexpr = None
-        else:
-            k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
-        if vs_ptr is None:
-            v_scale: gl.constexpr = None
-        else:
-            v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
-        mbarrier.wait(k_empty.index(i), phase)
-        k = (k_smem.index(i), k_desc, k_ptr, k_st, k_per_block, k_row0, k_col)
-        v = (v_smem.index(i), v_desc, v_ptr, v_st, v_per_block, v_row0, v_col)
-        if KV_RINGS:
-            _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, k_scale, None,
-                  bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N, PAGE,
-                  ks_ptr is not None)
-            mbarrier.wait(v_empty.index(i), phase)
-            _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, None, v_scale,
-                  bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N, PAGE,
-                  vs_ptr is not None)
-        else:
-            _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, k_scale,
-                  v_scale, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
-                  PAGE, SCALED)
+    if LOAD_K or LOAD_V:
+        for j in range(num_tiles):
+            i = j % STAGES
+            phase = ((j // STAGES) & 1) ^ 1
+            start = j * BLOCK_N
+            # the scales (of a tile in the sequence), loaded before waiting for the buffer so
+            # that their latency overlaps the wait
+            if K_SCALED or V_SCALED:
+                offs = start + gl.arange(0, BLOCK_N, KEYS)
+                ok = offs < seq_len
+                blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
+                                            other=0), num_blocks)
+            if K_SCALED:
+                k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
+            else:
+                k_scale: gl.constexpr = None
+            if V_SCALED:
+                v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
+            else:
+                v_scale: gl.constexpr = None
+            if LOAD_K:  # (one ring: K's barrier pair is V's too)
+                mbarrier.wait(k_empty.index(i), phase)
+            k = (k_smem.index(i), k_desc, k_ptr, k_st, k_per_block, k_row0, k_col)
+            v = (v_smem.index(i), v_desc, v_ptr, v_st, v_per_block, v_row0, v_col)
+            if KV_RINGS:
+                if LOAD_K:
+                    _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, k_scale, None,
+                          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
+                          PAGE, K_SCALED)
+                if LOAD_V:
+                    mbarrier.wait(v_empty.index(i), phase)
+                    _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, None, v_scale,
+                          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
+                          PAGE, V_SCALED)
+            else:
+                _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, k_scale,
+                      v_scale, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
+                      BLOCK_N, PAGE, K_SCALED or V_SCALED)
 
 
 @gluon.jit
@@ -610,13 +621,14 @@ def ws_prefill_kernel(
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    KV_RINGS: gl.constexpr,
+    KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
-    partition), plus consumer 1 (BLOCK_M 128), the producer warp and the widener's warps
-    (idle without an INT8 V cache). The caches' kinds come from the arguments: an int8 query
-    with its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None
-    for a 16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
+    partition), plus consumer 1 (BLOCK_M 128), the producer warp, the V loader's warp (idle
+    without V_LOADER) and the widener's warps (idle without an INT8 V cache). The caches'
+    kinds come from the arguments: an int8 query with its scales ``qs_ptr`` for an INT8 K
+    cache (with ``ks_ptr``), a 16-bit one and None for a 16-bit K cache; ``vs_ptr`` for an
+    INT8 V cache, None for a 16-bit one."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     pid_h = gl.program_id(0)
     tile = gl.num_programs(1) - 1 - gl.program_id(1)  # causal: the longest tiles first
@@ -694,22 +706,27 @@ def ws_prefill_kernel(
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
             stride_qst, stride_qsh)
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
+    # the producer warp loads K, and V unless the V loader (a warp of its own) does
+    K_AND_V: gl.constexpr = not V_LOADER
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
-        ], [4, 1, WIDEN_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        ], [4, 1, 1, WIDEN_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS,
+                                    PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS)),
-            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
-        ], [1, WIDEN_WARPS], [PRODUCER_REGS, PRODUCER_REGS])
+        ], [1, 1, WIDEN_WARPS], [PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # ---- "cp": one partition, cp.async -------------------------------------------------------
@@ -902,7 +919,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         tensors.append(vs)
         strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                       KV_RINGS=plan.kv_rings, maxnreg=plan.maxnreg)
+                       KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q)

@@ -68,13 +68,18 @@ SWIZZLE = 128  # bytes: the shared-memory swizzle of the K/V tiles, and a TMA bo
 # (benchmarks/results/probes_h200_2026-12-02_rings.json). INT8 K+V at head_dim 64 and 128
 # takes tiles of 128 keys since its V widening got cheaper (a byte permute): 0.84-0.91x
 # the time of 64 x 5 at 64, 0.94-1.00x that of 64 x 4 at 128 (8K and 8 x 2K prompts,
-# benchmarks/results/gluon_tiles_h200_2026-12-02_int8_kv.json)
+# benchmarks/results/gluon_tiles_h200_2026-12-02_int8_kv.json). The last field, v_loader:
+# with 16-bit K/V at head_dim 256 a page of 16 tokens is four TMA boxes per cache (one per
+# 128-byte span of its 512-byte rows), and one warp issuing K's and V's took 1.12-1.13x
+# the time of pages of 256 (qwen35 8K and 8 x 2K prompts); V loaded by a warp of its own
+# took 0.905x and 0.955x the time of the one producer, and elsewhere 1.00-1.23x
+# (benchmarks/results/probes_h200_2026-12-02_v_loader.json)
 WS_TILES = {
-    ("float", 64): (128, 4, False), ("int8_k", 64): (128, 4, False),
-    ("int8_kv", 64): (128, 4, False), ("float", 128): (64, 4, False),
-    ("int8_k", 128): (128, 4, False), ("int8_kv", 128): (128, 3, False),
-    ("float", 256): (64, 2, True), ("int8_k", 256): (64, 3, False),
-    ("int8_kv", 256): (64, 3, False),
+    ("float", 64): (128, 4, False, False), ("int8_k", 64): (128, 4, False, False),
+    ("int8_kv", 64): (128, 4, False, False), ("float", 128): (64, 4, False, False),
+    ("int8_k", 128): (128, 4, False, False), ("int8_kv", 128): (128, 3, False, False),
+    ("float", 256): (64, 2, True, True), ("int8_k", 256): (64, 3, False, False),
+    ("int8_kv", 256): (64, 3, False, False),
 }
 # "ws" registers per thread (setmaxnreg): the producer warp needs few, and a consumer holds
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
@@ -109,7 +114,8 @@ class GluonPlan:
     (``block_m``, 64 per warpgroup), query heads packed into a tile's rows token-major
     (``pack``, a divisor of the GQA group), keys per step (``block_n``), shared-memory
     buffers per key tile (``stages``), for "ws" whether K and V buffers are released apart
-    (``kv_rings``, each with its own barriers), and the query lengths the launch serves
+    (``kv_rings``, each with its own barriers) and then whether a warp of its own loads V
+    (``v_loader``, beside the producer's K), and the query lengths the launch serves
     (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
@@ -118,6 +124,7 @@ class GluonPlan:
     stages: int = 3
     pipeline: str = "ws"
     kv_rings: bool = False
+    v_loader: bool = False
     min_q: int = 0
     max_q: int = 0
 
@@ -182,18 +189,19 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     """default_plan for queries of up to ``query_bound`` tokens."""
     group, queries = call.geometry.group, max(min(query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
-    block_n, stages, kv_rings = _ws_tiles(call)
+    block_n, stages, kv_rings, v_loader = _ws_tiles(call)
     one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
-                     stages=stages, kv_rings=kv_rings)
+                     stages=stages, kv_rings=kv_rings, v_loader=v_loader)
     if tma_unsupported(call, plan.block_n):
-        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False)
+        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
+                                   v_loader=False)
     return plan
 
 
-def _ws_tiles(call: PagedCall) -> tuple[int, int, bool]:
-    """The "ws" kernel's default keys per tile, buffers and kv_rings for ``call``."""
-    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3, False))
+def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
+    """The "ws" kernel's default keys per tile, buffers, kv_rings and v_loader for ``call``."""
+    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3, False, False))
 
 
 def _cp_unsupported(call: PagedCall) -> str | None:
@@ -277,6 +285,9 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
+    if plan.v_loader and not plan.kv_rings:
+        raise ValueError("plan: v_loader needs kv_rings (without them one barrier pair "
+                         "serves K and V, which one warp loads)")
     if plan.min_q < 0 or plan.max_q < 0:
         raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
                          "no bound)")
