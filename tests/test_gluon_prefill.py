@@ -95,6 +95,7 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
             (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
     assert (plan.block_n, plan.stages) == want[head_dim, kind]
     assert plan.kv_rings == plan.v_loader == ((head_dim, kind) == (256, "float"))
+    assert plan.q_tma == (kind != "int8_kv")
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
 
@@ -276,6 +277,37 @@ def test_bad_plans_are_refused_by_name(gb, overrides, message):
         gb.make_plan(call, **plan)
 
 
+def _query_view(layout: str, tokens: int = 40, heads: int = 8, dim: int = 128):
+    """A bf16 query [tokens, heads, dim] with the strides of ``layout``."""
+    if layout == "contiguous":
+        return torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    if layout == "every-other-head":  # strides, not a copy
+        return torch.zeros(tokens, 2 * heads, dim, dtype=torch.bfloat16)[:, ::2]
+    if layout == "head-major":  # a head's rows are whole rows of the token-stride view
+        return torch.zeros(heads, tokens, dim, dtype=torch.bfloat16).transpose(0, 1)
+    # a token stride of 8 * 128 + 1 values: not 16-byte aligned
+    return torch.zeros(tokens, heads * dim + 1, dtype=torch.bfloat16)[:, :-1].view(
+        tokens, heads, dim)
+
+
+@pytest.mark.parametrize(("layout", "plan", "tma"), [
+    ("contiguous", {}, True), ("every-other-head", {}, True), ("head-major", {}, True),
+    ("odd-token-stride", {}, False), ("contiguous", dict(pack=2), False),
+    ("contiguous", dict(q_tma=False), False)])
+def test_the_query_is_loaded_by_tma_where_a_view_holds_its_tiles(gb, layout, plan, tma):
+    """The "ws" kernel's query TMA view: where the plan asks for it, a tile's rows are
+    consecutive tokens of one head (pack 1) and the strides make a 2D view; else its
+    consumers load it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from pagedfuse.ops import gluon_prefill as gp
+
+    q = _query_view(layout)
+    got = gp._q_descriptor(q, gb.GluonPlan(**plan))
+    assert (got is not None) == tma
+    if tma:  # boxes of one consumer's 64 rows by one 128-byte span
+        assert list(got.block_shape) == [64, 64] and got.strides[0] == q.stride(0)
+
+
 def test_the_backend_imports_without_triton():
     """The module the package imports wherever Triton is installed must not need Gluon
     (older Triton) and must say so, not fail, where Triton itself is missing."""
@@ -401,6 +433,30 @@ def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size, v_load
     hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
     plan = gb.make_plan(case.call(**hints), block_n=64, stages=2, kv_rings=True,
                         v_loader=v_loader)
+    got = case.run_backend(gb.BACKEND, plan, **hints)
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    assert numerics.rel_err(got, case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["every-other-head", "head-major"])
+def test_query_views_the_tma_loads_match_the_reference(gb, layout):
+    """Long queries (one head per tile: the query by TMA) in a strided and a head-major
+    query: the head's offset in the view is rows for the one, columns for the other."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    import dataclasses
+
+    from pagedfuse.ops import gluon_prefill as gp
+
+    case = _int8k([300, 129, 5], [0, 200, 1000], device="cuda", kind="float", seed=5,
+                  strided_query=layout == "every-other-head")
+    if layout == "head-major":
+        case = dataclasses.replace(case, query=case.query.transpose(0, 1).contiguous()
+                                   .transpose(0, 1))
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    plan = gb.make_plan(case.call(**hints))
+    assert gp._q_descriptor(case.query, plan) is not None
     got = case.run_backend(gb.BACKEND, plan, **hints)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(got, case.reference()) <= tol

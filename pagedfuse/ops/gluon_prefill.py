@@ -44,16 +44,18 @@ pipelines, chosen by ``GluonPlan.pipeline``:
 
 Both: grid (head pack, query tile, sequence) as in triton_prefill.py (the longest causal
 tiles first); a tile holds ``block_m`` rows, token-major over ``pack`` query heads of one
-GQA group, kept in shared memory. INT8 K: Q is quantized once per (token, head) before the
-kernel, Q·K^T is an int8 wgmma with int32 scores, turned to fp32 by their bits (0x4B400000 +
-x is the float 1.5 * 2**23 + x for |x| < 2**22) and one FFMA with the key's scale; the row's
-q_scale * softmax scale * log2(e) joins the exp2's FMA. 16-bit K: Q·K^T is a bf16/fp16
-wgmma with fp32 scores and softmax scale * log2(e) in the exp2's FMA. Softmax online in
-fp32, log2 domain; P·V is a 16-bit wgmma with P from registers and V from shared memory:
-V's type for a 16-bit V cache; for INT8 V, fp16 P' = p * v_scale (the CUDA decode's
-choice: fp16 keeps 3 more bits of P' than bf16, and p <= 1 here) over V's int8 values
-widened exactly to fp16 (a V scale above 65504 overflows P' to Inf, as the Triton prefill's
-fp16 path does).
+GQA group, kept in shared memory ("ws" with ``GluonPlan.q_tma``: loaded by the producer's
+TMA boxes, ahead of the first key tile's, where the tile is one head's consecutive tokens;
+otherwise by the consumers, a chain of loads and stores before their first MMA). INT8 K: Q
+is quantized once per (token, head) before the kernel, Q·K^T is an int8 wgmma with int32
+scores, turned to fp32 by their bits (0x4B400000 + x is the float 1.5 * 2**23 + x for
+|x| < 2**22) and one FFMA with the key's scale; the row's q_scale * softmax scale * log2(e)
+joins the exp2's FMA. 16-bit K: Q·K^T is a bf16/fp16 wgmma with fp32 scores and softmax
+scale * log2(e) in the exp2's FMA. Softmax online in fp32, log2 domain; P·V is a 16-bit
+wgmma with P from registers and V from shared memory: V's type for a 16-bit V cache; for
+INT8 V, fp16 P' = p * v_scale (the CUDA decode's choice: fp16 keeps 3 more bits of P' than
+bf16, and p <= 1 here) over V's int8 values widened exactly to fp16 (a V scale above 65504
+overflows P' to Inf, as the Triton prefill's fp16 path does).
 
 Causal masking is bottom-right aligned; tiles wholly above the diagonal are never visited,
 and only tiles that reach past a row group's first row's last key or the sequence take the
@@ -95,6 +97,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     checked_default_plans,
     swizzle_bytes,
     tma_rows,
+    view_unsupported,
 )
 from pagedfuse.ops.call import PagedCall
 from pagedfuse.ops.triton_paged import LOG2E
@@ -299,6 +302,24 @@ def _page_boxes(cache, bar, page_blk, slot, p, BOX: gl.constexpr):
 
 
 @gluon.jit
+def _load_q_boxes(q_desc, q_smem, bar, q_row, q_col):
+    """The tile's query rows into ``q_smem`` (one [64, D] buffer per consumer), a TMA box per
+    consumer and swizzle span of the [rows, token stride] view: rows from ``q_row``, the
+    head's columns from ``q_col`` (as a cache's page: the head's offset over the token
+    stride is rows, the rest columns). Rows past the view are zero-filled; rows of the next
+    sequence are read, never stored."""
+    W: gl.constexpr = q_desc.block_type.shape[1]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    bufs: gl.constexpr = q_smem.type.shape[0]
+    width: gl.constexpr = q_smem.type.shape[2]
+    mbarrier.expect(bar, bufs * ROWS * width * q_desc.dtype.primitive_bitwidth // 8)
+    for w in gl.static_range(bufs):
+        for c in gl.static_range(width // W):
+            tma.async_copy_global_to_shared(q_desc, [q_row + w * ROWS, q_col + c * W], bar,
+                                            _box(q_smem.index(w), c, 0, ROWS, q_desc))
+
+
+@gluon.jit
 def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, k_scale, v_scale,
           bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N: gl.constexpr,
           PAGE: gl.constexpr, SCALED: gl.constexpr):
@@ -346,7 +367,9 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
     barrier pair serves both and one warp loads both."""
     (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
      vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks, k_st,
-     v_st, ks_st, vs_st, stride_btn) = args
+     v_st, ks_st, vs_st, stride_btn, q_desc, q_smem, q_ready, q_row, q_col) = args
+    if LOAD_K and q_desc is not None:  # the tile's query rows first: the first MMA's operand
+        _load_q_boxes(q_desc, q_smem, q_ready.index(0), q_row, q_col)
     K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     V_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * v_desc.dtype.primitive_bitwidth // 8
     K_SCALED: gl.constexpr = LOAD_K and ks_ptr is not None
@@ -529,7 +552,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
-     stride_qsh) = args
+     stride_qsh, q_desc, q_ready) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
@@ -545,9 +568,12 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
 
     rows = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, COPY))
     q_buf = q_smem.index(WG)
-    q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh, PACK,
-                        HEAD_DIM, COPY))
-    fence_async_shared()  # the wgmma read it through the async proxy
+    if q_desc is None:
+        q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
+                            PACK, HEAD_DIM, COPY))
+        fence_async_shared()  # the wgmma read it through the async proxy
+    else:  # the producer's TMA boxes
+        mbarrier.wait(q_ready.index(0), 0)
     rows_s = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
@@ -613,8 +639,8 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def ws_prefill_kernel(
-    q_ptr, qs_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
+    q_ptr, qs_ptr, q_desc, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr,
+    qsl_ptr, out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
     stride_vst, stride_vsh, stride_btb, stride_btn, min_q, max_q,
@@ -645,9 +671,13 @@ def ws_prefill_kernel(
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
 
     q_type: gl.constexpr = q_ptr.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(
-        q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type))
+    if q_desc is None:  # the consumers load their rows themselves
+        q_smem = gl.allocate_shared_memory(
+            q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
+            gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type))
+    else:
+        q_smem = gl.allocate_shared_memory(q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
+                                           q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     SCALES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -695,16 +725,19 @@ def ws_prefill_kernel(
             mbarrier.init(k_empty.index(i), count=V_USERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
+    mbarrier.init(q_ready.index(0), count=1)
 
     loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
              vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks,
              (stride_kb, stride_kt, stride_kh), (stride_vb, stride_vt, stride_vh),
              (stride_ksb, stride_kst, stride_ksh), (stride_vsb, stride_vst, stride_vsh),
-             stride_btn)
+             stride_btn, q_desc, q_smem, q_ready,
+             q_start + t0 + (pid_h * stride_qh) // stride_qt, (pid_h * stride_qh) % stride_qt)
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
             v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
-            stride_qst, stride_qsh)
+            stride_qst, stride_qsh, q_desc, q_ready)
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     # the producer warp loads K, and V unless the V loader (a warp of its own) does
     K_AND_V: gl.constexpr = not V_LOADER
@@ -887,6 +920,18 @@ def _descriptor(cache: torch.Tensor, box_rows: int) -> TensorDescriptor:
                             [box_rows, width], layout)
 
 
+def _q_descriptor(q: torch.Tensor, plan: GluonPlan) -> TensorDescriptor | None:
+    """The query as a TMA view [tokens, token stride] with a box per consumer's 64 rows and
+    swizzle span, where a tile's rows are consecutive tokens of one head (pack 1) and the
+    strides and address allow it; None: the consumers load their rows (a chain of global
+    loads and shared stores at every CTA's start, 1.5 µs on the H200's eight 2K prompts)."""
+    view = q.unsqueeze(0)  # [1, T, Hq, D]: the token stride is stride(1), as a cache's
+    if (not plan.q_tma or plan.pack != 1 or q.data_ptr() % 16
+            or view_unsupported("query", view)):
+        return None
+    return _descriptor(view, WG_ROWS.value)
+
+
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     """A scale tensor's strides; zeros where the kernel has no such tensor (None)."""
     return t.stride() if t is not None else (0,) * n
@@ -915,7 +960,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     if plan.pipeline == "ws":
         box = min(g.block_size, plan.block_n)
         kernel = ws_prefill_kernel
-        tensors[2:2] = [_descriptor(kc, box), _descriptor(vc, box)]
+        tensors[2:2] = [_q_descriptor(q, plan), _descriptor(kc, box), _descriptor(vc, box)]
         tensors.append(vs)
         strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,

@@ -115,8 +115,10 @@ class GluonPlan:
     (``pack``, a divisor of the GQA group), keys per step (``block_n``), shared-memory
     buffers per key tile (``stages``), for "ws" whether K and V buffers are released apart
     (``kv_rings``, each with its own barriers) and then whether a warp of its own loads V
-    (``v_loader``, beside the producer's K), and the query lengths the launch serves
-    (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
+    (``v_loader``, beside the producer's K), whether the producer loads the query rows by
+    TMA where a view of them allows it (``q_tma``: one head per tile, pack 1; else the
+    consumers load them), and the query lengths the launch serves (``min_q`` to ``max_q``,
+    0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -125,6 +127,7 @@ class GluonPlan:
     pipeline: str = "ws"
     kv_rings: bool = False
     v_loader: bool = False
+    q_tma: bool = True
     min_q: int = 0
     max_q: int = 0
 
@@ -191,8 +194,12 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
     block_n, stages, kv_rings, v_loader = _ws_tiles(call)
     one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
+    # the query by TMA: at a CTA's start the consumers' own loads took 1.5 µs on the H200's
+    # eight 2K prompts (llama3_8b), and the boxes 0.96-0.98x the time of every kind but INT8
+    # K+V, where they took 1.005-1.03x (benchmarks/results/probes_h200_2026-12-02_q_tma.json)
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
-                     stages=stages, kv_rings=kv_rings, v_loader=v_loader)
+                     stages=stages, kv_rings=kv_rings, v_loader=v_loader,
+                     q_tma=call.kind != "int8_kv")
     if tma_unsupported(call, plan.block_n):
         plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                    v_loader=False)
@@ -234,21 +241,30 @@ def tma_unsupported(call: PagedCall, block_n: int) -> str | None:
         return (f"page size {page}: the TMA boxes need a multiple of 8 keys that divides "
                 f"or is a multiple of block_n {block_n} (the cp pipeline takes it)")
     for name, cache in (("key_cache", call.key_cache), ("value_cache", call.value_cache)):
-        sb, st, sh, sd = cache.stride()
-        size = cache.element_size()
-        d = cache.shape[-1]
-        if d * size not in (32, 64) and (d * size) % SWIZZLE:
-            return (f"{name}: head_dim {d}: a row of {d * size} bytes is not 32, 64 or a "
-                    f"multiple of {SWIZZLE} (the TMA boxes' swizzle spans)")
-        # (the op's checks have made the address and the strides 16-byte aligned)
-        if sd != 1 or sb % st:
-            return (f"{name}: strides {tuple(cache.stride())}: a 2D TMA view needs unit-stride "
-                    "heads and a block stride that is a multiple of the token stride")
-        if any((h * sh) % st + d > st for h in range(cache.shape[2])):
-            return (f"{name}: strides {tuple(cache.stride())}: a head's row does not lie in "
-                    "one row of the token-stride view")
-        if tma_rows(cache) >= 2**31:
-            return f"{name}: {tma_rows(cache)} rows: TMA coordinates are 32-bit"
+        if why := view_unsupported(name, cache):
+            return why
+    return None
+
+
+def view_unsupported(name: str, x: torch.Tensor) -> str | None:
+    """Why ``x`` [blocks, tokens, heads, D] (a cache, or the query as one block) has no 2D TMA
+    view [rows, token stride] in which each (block, head) starts at a row and column: the
+    kernels' boxes are one swizzle span wide."""
+    sb, st, sh, sd = x.stride()
+    size = x.element_size()
+    d = x.shape[-1]
+    if d * size not in (32, 64) and (d * size) % SWIZZLE:
+        return (f"{name}: head_dim {d}: a row of {d * size} bytes is not 32, 64 or a "
+                f"multiple of {SWIZZLE} (the TMA boxes' swizzle spans)")
+    if sd != 1 or sb % st or (st * size) % 16:
+        return (f"{name}: strides {tuple(x.stride())}: a 2D TMA view needs unit-stride heads, "
+                "a token stride of whole 16 bytes and a block stride that is a multiple of the "
+                "token stride")
+    if any((h * sh) % st + d > st for h in range(x.shape[2])):
+        return (f"{name}: strides {tuple(x.stride())}: a head's row does not lie in one row "
+                "of the token-stride view")
+    if tma_rows(x) >= 2**31:
+        return f"{name}: {tma_rows(x)} rows: TMA coordinates are 32-bit"
     return None
 
 
