@@ -2,10 +2,11 @@
 of the prefill kernels are judged against.
 
 INT8 K runs Q·K^T as an int8 wgmma and keeps P·V in 16 bits (the error bound needs it), so
-where a prefill kernel is bound by its matrix work, INT8 K's time is at least bf16's times
-``0.5 + 0.5 / r``, r being int8's rate over bf16's (Q·K^T and P·V are the same FLOPs). The
-data sheet's r is 2 (a 4/3 ceiling); what a chip sustains under its power limit on random
-data is what this measures, two ways, in one run:
+its matrix work takes ``0.5 + 0.5 / r`` of bf16's time, r being int8's rate over bf16's
+(Q·K^T and P·V are the same FLOPs): where both kernels are bound by it, INT8 K is at most
+``1 / (0.5 + 0.5 / r)`` times bf16's speed. The data sheet's r is 2 (a 4/3 ceiling); what a
+chip sustains under its power limit on random data is what this measures, two ways, in one
+run:
 
 - ``wgmma loop``: a Gluon kernel whose warpgroups issue wgmma back to back from operands
   held in shared memory (m64 x N per instruction, K = 128, one group in flight while the

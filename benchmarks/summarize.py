@@ -413,7 +413,7 @@ def mma_rates(record: dict) -> tuple[str, str]:
         c = ceiling.get((r["method"], r["n"], r["kind"]))
         rows.append([r["method"], str(r["n"]), r["kind"],
                      f"{r['tops']:.0f} ({r['min_tops']:.0f}-{r['max_tops']:.0f})",
-                     f"{r.get('sm_mhz', 0):.0f}", f"{r.get('power_w', 0):.0f}",
+                     *(f"{r[k]:.0f}" if k in r else "n/a" for k in ("sm_mhz", "power_w")),
                      f"{c['ratio']:.2f}" if c else "-",
                      f"{c['int8_k_ceiling']:.3f}x" if c and c["kind"] == "int8" else "-"])
     head = ["method", "N", "operands", "TFLOP/s (TOP/s), median (range)", "SM MHz at end",

@@ -15,6 +15,7 @@ conformance runner; and 100 CUDA graph replays per kind.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -442,11 +443,10 @@ def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size, v_load
 @pytest.mark.parametrize("layout", ["every-other-head", "head-major"])
 def test_query_views_the_tma_loads_match_the_reference(gb, layout):
     """Long queries (one head per tile: the query by TMA) in a strided and a head-major
-    query: the head's offset in the view is rows for the one, columns for the other."""
+    query: the head's offset in the view is columns in the strided one, rows in the
+    head-major one."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
-    import dataclasses
-
     from pagedfuse.ops import gluon_prefill as gp
 
     case = _int8k([300, 129, 5], [0, 200, 1000], device="cuda", kind="float", seed=5,
