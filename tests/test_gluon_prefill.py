@@ -286,6 +286,9 @@ def _query_view(layout: str, tokens: int = 40, heads: int = 8, dim: int = 128):
         return torch.zeros(tokens, 2 * heads, dim, dtype=torch.bfloat16)[:, ::2]
     if layout == "head-major":  # a head's rows are whole rows of the token-stride view
         return torch.zeros(heads, tokens, dim, dtype=torch.bfloat16).transpose(0, 1)
+    if layout == "one-token-stride-0":  # (validation only checks dims longer than 1)
+        return torch.zeros(heads, dim, dtype=torch.bfloat16).as_strided((1, heads, dim),
+                                                                         (0, dim, 1))
     # a token stride of 8 * 128 + 1 values: not 16-byte aligned
     return torch.zeros(tokens, heads * dim + 1, dtype=torch.bfloat16)[:, :-1].view(
         tokens, heads, dim)
@@ -293,7 +296,8 @@ def _query_view(layout: str, tokens: int = 40, heads: int = 8, dim: int = 128):
 
 @pytest.mark.parametrize(("layout", "plan", "tma"), [
     ("contiguous", {}, True), ("every-other-head", {}, True), ("head-major", {}, True),
-    ("odd-token-stride", {}, False), ("contiguous", dict(pack=2), False),
+    ("odd-token-stride", {}, False), ("one-token-stride-0", {}, False),
+    ("contiguous", dict(pack=2), False),
     ("contiguous", dict(q_tma=False), False)])
 def test_the_query_is_loaded_by_tma_where_a_view_holds_its_tiles(gb, layout, plan, tma):
     """The "ws" kernel's query TMA view: where the plan asks for it, a tile's rows are

@@ -256,7 +256,7 @@ def view_unsupported(name: str, x: torch.Tensor) -> str | None:
     if d * size not in (32, 64) and (d * size) % SWIZZLE:
         return (f"{name}: head_dim {d}: a row of {d * size} bytes is not 32, 64 or a "
                 f"multiple of {SWIZZLE} (the TMA boxes' swizzle spans)")
-    if sd != 1 or sb % st or (st * size) % 16:
+    if sd != 1 or st < 1 or sb % st or (st * size) % 16:
         return (f"{name}: strides {tuple(x.stride())}: a 2D TMA view needs unit-stride heads, "
                 "a token stride of whole 16 bytes and a block stride that is a multiple of the "
                 "token stride")
