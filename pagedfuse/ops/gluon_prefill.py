@@ -367,9 +367,9 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
     barrier pair serves both and one warp loads both."""
     (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
      vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks, k_st,
-     v_st, ks_st, vs_st, stride_btn, q_desc, q_smem, q_ready, q_row, q_col) = args
+     v_st, ks_st, vs_st, stride_btn, q_desc, q_smem, q_ready, q_at) = args
     if LOAD_K and q_desc is not None:  # the tile's query rows first: the first MMA's operand
-        _load_q_boxes(q_desc, q_smem, q_ready.index(0), q_row, q_col)
+        _load_q_boxes(q_desc, q_smem, q_ready.index(0), q_at[0], q_at[1])
     K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     V_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM * v_desc.dtype.primitive_bitwidth // 8
     K_SCALED: gl.constexpr = LOAD_K and ks_ptr is not None
@@ -672,12 +672,10 @@ def ws_prefill_kernel(
 
     q_type: gl.constexpr = q_ptr.dtype.element_ty
     if q_desc is None:  # the consumers load their rows themselves
-        q_smem = gl.allocate_shared_memory(
-            q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
-            gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type))
-    else:
-        q_smem = gl.allocate_shared_memory(q_type, [CONSUMERS, WG_ROWS, HEAD_DIM],
-                                           q_desc.layout)
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type)
+    else:  # the producer's TMA boxes
+        Q_SMEM: gl.constexpr = q_desc.layout
+    q_smem = gl.allocate_shared_memory(q_type, [CONSUMERS, WG_ROWS, HEAD_DIM], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     SCALES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -725,15 +723,19 @@ def ws_prefill_kernel(
             mbarrier.init(k_empty.index(i), count=V_USERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
-    mbarrier.init(q_ready.index(0), count=1)
+    if q_desc is None:
+        q_ready: gl.constexpr = None
+        q_at: gl.constexpr = None
+    else:  # the query rows' barrier, and where in the view the tile's rows start
+        q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
+        mbarrier.init(q_ready.index(0), count=1)
+        q_at = (q_start + t0 + (pid_h * stride_qh) // stride_qt, (pid_h * stride_qh) % stride_qt)
 
     loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
              vs_smem, k_ready, v_ready, k_empty, v_empty, seq_len, num_tiles, kvh, num_blocks,
              (stride_kb, stride_kt, stride_kh), (stride_vb, stride_vt, stride_vh),
              (stride_ksb, stride_kst, stride_ksh), (stride_vsb, stride_vst, stride_vsh),
-             stride_btn, q_desc, q_smem, q_ready,
-             q_start + t0 + (pid_h * stride_qh) // stride_qt, (pid_h * stride_qh) % stride_qt)
+             stride_btn, q_desc, q_smem, q_ready, q_at)
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
             v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
