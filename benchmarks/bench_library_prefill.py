@@ -210,6 +210,7 @@ def table(rows: list[dict]) -> str:
     names = list(dict.fromkeys(r["method"] for r in rows if "method" in r))
     keys = list(dict.fromkeys((r["geometry"], r["case"]) for r in rows if "case" in r))
     by = {(r["geometry"], r["case"], r["method"]): r for r in rows if "method" in r}
+    libraries = [n for n in names if n not in OURS and not n.startswith("SDPA")]
     lines = ["| geometry | case | " + " | ".join(names) + " | ours / library time |",
              "|---|---|" + "---|" * (len(names) + 1)]
     for g, c in keys:
@@ -217,10 +218,9 @@ def table(rows: list[dict]) -> str:
         for n in names:
             r = by.get((g, c, n), {})
             cells.append(f"{r['ms']:.3g} ({r['tflops']:.0f})" if "ms" in r else "-")
-        ours, lib = ([by[g, c, n]["ms"] for n in group if "ms" in by.get((g, c, n), {})]
-                     for group in (OURS, [n for n in names if n not in OURS and
-                                          not n.startswith("SDPA")]))
-        ratio = f"{min(ours) / min(lib):.2f}x" if ours and lib else "-"
+        ours, lib = (min((by[g, c, n]["ms"] for n in group if "ms" in by.get((g, c, n), {})),
+                         default=None) for group in (OURS, libraries))
+        ratio = f"{ours / lib:.2f}x" if ours and lib else "-"
         lines.append(f"| {g} | {c} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 
