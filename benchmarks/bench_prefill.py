@@ -24,6 +24,7 @@ against the same keys called causal and against the gather + SDPA it replaces).
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
     python benchmarks/bench_prefill.py --gluon-sweep --json tiles.json  # the Gluon "ws" tiles
+    python benchmarks/bench_prefill.py --gluon-ab sum_mma lazy_max --json ab.json  # switches
     python benchmarks/bench_prefill.py --replot out.json --plot prefill.png   # no GPU
     python benchmarks/bench_prefill.py --no-flex --no-mixed --methods "prefill INT8 K" \
         "gluon INT8 K ws" "gluon INT8 K cp"   # only these entries
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -63,6 +65,7 @@ CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16
          (64, 8192, 4))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
 GLUON_SWEEP_CASES = ((1, 8192, 8192), (8, 2048, 2048))  # long tiles, and short ones
+AB_ROUNDS = 3  # --gluon-ab: each variant timed this many times, in turns
 SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the unhinted op
 SHORT_CASE = (64, 8192, 4)
 # the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
@@ -412,13 +415,13 @@ def _set_page(page: int) -> None:
     PAGE = page
 
 
-def precompile(jobs: list[tuple], workers: int) -> None:
+def precompile(jobs: list[tuple], workers: int, compile_job: Callable = _compile_job) -> None:
     """Compile the kernels in parallel processes first: Triton compiles one at a time per
     process, and the timed run then finds each in the disk cache."""
     t = time.time()
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
                              initializer=_set_page, initargs=(PAGE,)) as pool:
-        done = list(pool.map(_compile_job, jobs))
+        done = list(pool.map(compile_job, jobs))
     print(f"precompiled {len(done)} specializations in {time.time() - t:.0f} s "
           f"({workers} processes)", flush=True)
 
@@ -553,6 +556,77 @@ def run_gluon_sweep(args) -> list[dict]:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+def gluon_variants(call, fields: list[str]) -> dict[str, object]:
+    """The Gluon default plan of ``call`` with each combination of the boolean GluonPlan
+    ``fields`` set (named by those set, "none" for none), where check_plan allows it."""
+    from pagedfuse.ops.backends import gluon_prefill as gb
+
+    variants = {}
+    for values in itertools.product((False, True), repeat=len(fields)):
+        flags = dict(zip(fields, values, strict=True))
+        try:
+            plan = gb.make_plan(call, **flags)
+        except ValueError:  # a switch this kind does not have
+            continue
+        variants["+".join(f for f in fields if flags[f]) or "none"] = plan
+    return variants
+
+
+def _gluon_ab_job(job: tuple) -> str:
+    """Compile (by running once) one case's Gluon variants; ``job``: (geo, case, kind,
+    fields)."""
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    geo, shape, kind, fields = job
+    case = Case(geo, *shape, light=True)
+    call = case.call(kind)
+    out = torch.empty_like(case.q)
+    for plan in gluon_variants(call, fields).values():
+        prefill_into(call, out, plan)
+    torch.cuda.synchronize()
+    return f"{kind} {shape}"
+
+
+def run_gluon_ab(args) -> list[dict]:
+    """Interleaved A/B of GluonPlan switches (``--gluon-ab FIELD ...``) on the default plans:
+    every combination, timed in turns (ROUNDS medians), with each one's error against fp32
+    attention; the rows name the plans."""
+    from pagedfuse.ops.gluon_prefill import prefill_into
+
+    jobs = [(GEOMETRIES[g], c, kind, args.gluon_ab) for g in args.geometries
+            for c in GLUON_SWEEP_CASES for kind in args.kinds]
+    precompile(jobs, args.workers, _gluon_ab_job)
+    rows = []
+    for gname in args.geometries:
+        for shape in GLUON_SWEEP_CASES:
+            case = Case(GEOMETRIES[gname], *shape)
+            ref = case.tokens(fp32_attention(case.q4, case.k_c, case.v_c, case.scale))
+            for kind in args.kinds:
+                call = case.call(kind)
+                plans = gluon_variants(call, args.gluon_ab)
+                outs = {n: torch.full_like(case.q, float("nan")) for n in plans}
+                for n, plan in plans.items():
+                    prefill_into(call, outs[n], plan)
+                times = {n: [] for n in plans}
+                for _ in range(AB_ROUNDS):
+                    for n, plan in plans.items():
+                        times[n].append(bench_ms(
+                            lambda c=call, o=outs[n], p=plan: prefill_into(c, o, p)))
+                ms = {n: statistics.median(t) for n, t in times.items()}
+                row = {"geometry": gname, "batch": shape[0], "seq_len": shape[1],
+                       "q_len": shape[2], "kind": kind,
+                       "plans": {n: p.__dict__ for n, p in plans.items()}, "ms": ms,
+                       "vs_none": {n: t / ms["none"] for n, t in ms.items()},
+                       "err": {n: rel_err(o, ref) for n, o in outs.items()}}
+                rows.append(row)
+                print(gname, shape, kind, {n: (round(t, 4), round(row["vs_none"][n], 3),
+                                               f"{row['err'][n]:.2e}") for n, t in ms.items()},
+                      flush=True)
+            del case, ref
             torch.cuda.empty_cache()
     return rows
 
@@ -797,6 +871,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the candidate plans")
     ap.add_argument("--gluon-sweep", action="store_true",
                     help="time the Gluon kernel's tiles (keys per step x buffers)")
+    ap.add_argument("--gluon-ab", nargs="+", metavar="FIELD",
+                    help="time the Gluon default plans with every combination of these "
+                         "boolean GluonPlan fields, interleaved")
     ap.add_argument("--plans", help="a sweep's JSON: run with its best plan per geometry/kind")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES))
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
@@ -842,7 +919,9 @@ def main() -> None:
         plans = best_plans(json.loads(Path(args.plans).read_text())["rows"])
         print("tile shapes (block_m, block_n, warps, stages):",
               {f"{g} {k}": p for (g, k), p in plans.items()}, flush=True)
-    if args.gluon_sweep:
+    if args.gluon_ab:
+        rows = run_gluon_ab(args)
+    elif args.gluon_sweep:
         rows = run_gluon_sweep(args)
     elif args.sweep:
         jobs = [(GEOMETRIES[g], *c, kind, "half", shape, {}) for g in args.geometries
@@ -871,7 +950,7 @@ def main() -> None:
             print("could not read the compiled kernels:", exc)
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    if args.plot and not (args.sweep or args.gluon_sweep):
+    if args.plot and not (args.sweep or args.gluon_sweep or args.gluon_ab):
         plot(rows, args.plot)
 
 

@@ -16,12 +16,13 @@ conformance runner; and 100 CUDA graph replays per kind.
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers.cases import make_case
+from helpers.cases import make_case, quantized
 from helpers.conformance import GridCase, run_case
 from helpers.cuda_cases import replayed
 from helpers.prefill import paged_call
@@ -96,7 +97,8 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
             (256, "float"): (64, 2), (256, "int8_k"): (64, 3), (256, "int8_kv"): (64, 3)}
     assert (plan.block_n, plan.stages) == want[head_dim, kind]
     assert plan.kv_rings == plan.v_loader == ((head_dim, kind) == (256, "float"))
-    assert plan.q_tma == (kind != "int8_kv")
+    assert plan.q_tma == plan.sum_mma == (kind != "int8_kv")
+    assert plan.lazy_max == (head_dim == 256 and kind != "int8_kv")
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
 
@@ -268,12 +270,17 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
     (dict(pipeline="cp", kv_rings=True), "plan: kv_rings: the 'cp' pipeline has one ring"),
     (dict(v_loader=True), "plan: v_loader needs kv_rings"),
+    (dict(pipeline="cp", sum_mma=True), "plan: sum_mma is for the 'ws' pipeline, not 'cp'"),
+    (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
+    (dict(sum_mma=True, kind="int8_kv"), "plan: sum_mma needs a 16-bit V cache"),
+    (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
                                      "to 128, not 256"),
 ])
 def test_bad_plans_are_refused_by_name(gb, overrides, message):
-    plan = {k: v for k, v in overrides.items() if k != "head_dim"}
-    call = _int8k([5, 3], [7, 20], head_dim=overrides.get("head_dim", 128)).call()
+    plan = {k: v for k, v in overrides.items() if k not in ("head_dim", "kind")}
+    call = _int8k([5, 3], [7, 20], head_dim=overrides.get("head_dim", 128),
+                  kind=overrides.get("kind", "int8_k")).call()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         gb.make_plan(call, **plan)
 
@@ -441,6 +448,44 @@ def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size, v_load
     got = case.run_backend(gb.BACKEND, plan, **hints)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(got, case.reference()) <= tol
+
+
+def _keys_scaled_per_page(case, top: float, seed: int):
+    """``case`` (on the CPU) with each page's keys times its own factor, log-uniform in [1,
+    top]: along a row's keys its maximum score jumps by more than LAZY_LOG2 at some tiles
+    and creeps up by less at others."""
+    gen = torch.Generator().manual_seed(seed)
+    factor = torch.exp(torch.rand(case.key_float.shape[0], generator=gen) * math.log(top))
+    key_float = case.key_float * factor[:, None, None, None]
+    key, key_scale = key_float.to(case.value_cache.dtype), None
+    if case.key_scale is not None:
+        key, key_scale = quantized(key_float)
+    return dataclasses.replace(case, key_cache=key, key_scale=key_scale, key_float=key_float)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("flags", [
+    dict(sum_mma=False, lazy_max=False), dict(sum_mma=True, lazy_max=False),
+    dict(sum_mma=False, lazy_max=True), dict(sum_mma=True, lazy_max=True)])
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_softmax_variants_match_the_reference(gb, kind, flags):
+    """The rows' sums on the tensor cores (sum_mma) and maxima that move only past LAZY_LOG2
+    (lazy_max), apart and together, with keys whose scores jump and creep along the rows
+    (pages scaled by up to 24x), in 64- and 128-key tiles."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    if (flags["sum_mma"] or flags["lazy_max"]) and kind == "int8_kv":
+        pytest.skip("sum_mma and lazy_max need a 16-bit V")
+    case = _int8k([1, 4, 17, 700], [1000, 0, 1, 300], kind=kind, seed=11,
+                  num_blocks=200)
+    case = _keys_scaled_per_page(case, 24.0, seed=12).to("cuda")
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    for block_n in (64, 128):
+        plan = gb.make_plan(case.call(**hints), block_n=block_n, stages=2, **flags)
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
 
 
 @pytest.mark.cuda

@@ -54,8 +54,15 @@ joins the exp2's FMA. 16-bit K: Q·K^T is a bf16/fp16 wgmma with fp32 scores and
 scale * log2(e) in the exp2's FMA. Softmax online in fp32, log2 domain; P·V is a 16-bit
 wgmma with P from registers and V from shared memory: V's type for a 16-bit V cache; for
 INT8 V, fp16 P' = p * v_scale (the CUDA decode's choice: fp16 keeps 3 more bits of P' than
-bf16, and p <= 1 here) over V's int8 values widened exactly to fp16 (a V scale above 65504
-overflows P' to Inf, as the Triton prefill's fp16 path does).
+bf16) over V's int8 values widened exactly to fp16 (p * v_scale above 65504 overflows P'
+to Inf, as the Triton prefill's fp16 path does). Two ways the "ws" consumers take work off
+their softmax, the critical path of the ping-pong, both with a 16-bit V: the rows' sums
+come from the tensor cores (``GluonPlan.sum_mma``: a wgmma of P times a [keys, 8] tile of
+ones beside P·V, so the sums are of P as P·V takes it), and with ``GluonPlan.lazy_max`` a
+warp's rows keep their maxima until one would grow by more than LAZY_LOG2 (weights then
+reach 2**LAZY_LOG2, which a 16-bit P holds; INT8 V's fp16 P' would overflow from a V scale
+of 256), so that most tiles skip the accumulator's rescale by a uniform branch. The output
+is stored from the accumulator's own layout.
 
 Causal masking is bottom-right aligned; tiles wholly above the diagonal are never visited,
 and only tiles that reach past a row group's first row's last key or the sequence take the
@@ -111,6 +118,16 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup of the "ws" kern
 # copies of V tiles, shared by the consumers (one being read while the next is written)
 WIDEN_WARPS = gl.constexpr(2)
 V16_BUFS = gl.constexpr(2)
+# _rescale's branch and multiplies: RESCALE_PACK accumulator values ($0..: outputs tied to
+# their inputs), their rows' factors, and whether the warp skips them
+RESCALE_PACK = gl.constexpr(16)
+RESCALE_ASM = gl.constexpr(
+    f"{{ .reg .pred p; setp.eq.s32 p, ${3 * 16}, 0; @p bra.uni SKIP; "
+    + " ".join(f"mul.f32 ${i}, ${i}, ${2 * 16 + i};" for i in range(16)) + " SKIP: }")
+RESCALE_CONSTRAINTS = gl.constexpr(
+    ",".join(["=f"] * 16 + [str(i) for i in range(16)] + ["f"] * 16 + ["r"] * 16))
+LAZY_LOG2 = gl.constexpr(8.0)  # how far a row's maximum may lag (log2 units), see _probs
+SUM_COLS = gl.constexpr(8)  # columns of ones in the row sums' wgmma (its narrowest N)
 
 
 # ---- shared by both pipelines -----------------------------------------------------------
@@ -178,48 +195,91 @@ def _key_scaled(s_int, k_scale):
 
 
 @gluon.jit
-def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr):
+def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr, LAZY: gl.constexpr):
     """Tile weights exp2(s * row_scale - m) and the new row maxima, from scores ``s``.
     MASKED: key n counts for row i only below row_end[i]; otherwise every key counts and the
-    scale folds into the exp2's FMA (row_scale >= 0)."""
+    scale folds into the exp2's FMA (row_scale >= 0). LAZY: a warp's rows keep their maxima
+    unless one of them would grow by more than LAZY_LOG2 (the weights then reach
+    2**LAZY_LOG2), so that most tiles leave the accumulator as it is (``_rescale``)."""
     if MASKED:
         x = gl.where(offs_n[None, :] < row_end[:, None], s * row_scale[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+        m_tile = gl.max(x, axis=1)
+        m_new = gl.maximum(m_i, m_tile)
+        if LAZY:
+            m_new = gl.where(_warp_any(m_tile > m_i + LAZY_LOG2) != 0, m_new, m_i)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = gl.exp2(x - m_use[:, None])
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_scale)
+        m_tile = gl.max(s, axis=1) * row_scale
+        m_new = gl.maximum(m_i, m_tile)
+        if LAZY:
+            m_new = gl.where(_warp_any(m_tile > m_i + LAZY_LOG2) != 0, m_new, m_i)
         m_use = m_new
         p = gl.exp2(s * row_scale[:, None] - m_use[:, None])
     return p, m_new, m_use
 
 
 @gluon.jit
-def _online(s, m_i, l_i, row_scale, row_end, start, every_key_read, cols):
+def _warp_any(x):
+    """Per row (two a thread, as an MMA layout's rows are): 1 where any row of the warp has
+    ``x`` true, else 0; the same in every lane, so that a branch on it is uniform."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .b32 t;
+        or.b32 t, $2, $3;
+        setp.ne.b32 p, t, 0;
+        vote.sync.any.pred p, p, 0xffffffff;
+        selp.b32 $0, 1, 0, p;
+        mov.b32 $1, $0;
+        }""",
+        "=r,=r,r,r", [x.to(gl.int32)], dtype=gl.int32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    """acc * alpha per row, skipped (a uniform branch per 16 values) in a warp whose rows'
+    factors are all 1 (LAZY: no row's maximum moved)."""
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    moved = _warp_any(a != 1.0)
+    a, acc = gl.broadcast(a[:, None], acc)
+    moved, _ = gl.broadcast(moved[:, None], acc)
+    return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, a, moved],
+                                     dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
+
+
+@gluon.jit
+def _online(s, m_i, l_i, row_scale, row_end, start, every_key_read, cols,
+            CUDA_SUMS: gl.constexpr = True, LAZY: gl.constexpr = False):
     """One key tile of the online softmax from its fp32 scores: the weights, the new row
-    maxima and sums, and the factor the accumulator takes (the masked path only for a tile
-    some row does not read whole: ``every_key_read`` false)."""
+    maxima and sums (not CUDA_SUMS: ``l_i`` as it is, the tensor cores sum the rows), and the
+    factor the accumulator takes (the masked path only for a tile some row does not read
+    whole: ``every_key_read`` false)."""
     if every_key_read:
-        p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, False)
+        p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, False, LAZY)
     else:
-        p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, True)
+        p, m_new, m_use = _probs(s, m_i, row_scale, start + cols, row_end, True, LAZY)
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    if CUDA_SUMS:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
 
 
 @gluon.jit
-def _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h,
+def _store_rows(out_ptr, acc, l_i, row0, t0, q_start, q_len, num_q_heads, pid_h,
                 PACK: gl.constexpr, TOKENS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                PV: gl.constexpr, COPY: gl.constexpr):
-    """out rows of this tile: acc / l (a row that saw no key writes zeros)."""
+                PV: gl.constexpr):
+    """out rows [row0, row0 + acc rows) of this tile: acc / l (a row that saw no key writes
+    zeros), stored from the accumulator's own layout: a conversion to a row-wise one would
+    take a scratch buffer of shared memory as large as the rows, for the kernel's whole
+    life."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
-    o = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), COPY)
+    o = (acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    rows = row0 + gl.arange(0, acc.shape[0], gl.SliceLayout(1, PV))
     t = t0 + rows // PACK
     ok = (t < q_len) & (rows < TOKENS * PACK)
     out_row = (q_start + t).to(gl.int64) * num_q_heads + pid_h * PACK + rows % PACK
-    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
+    offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, PV))
     gl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=ok[:, None])
 
 
@@ -544,15 +604,38 @@ def _release_after_pv(v_empty, v16_empty, i, j, v16_smem):
 
 
 @gluon.jit
+def _sum_mma(p16, ones_smem, acc_l, SUM: gl.constexpr):
+    """With ``ones_smem``: a wgmma adding the rows' sums of P (as P·V takes it) to
+    ``acc_l``, P times columns of ones, issued after P·V; else ``acc_l``."""
+    if ones_smem is not None:
+        p_op = gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=SUM,
+                                                          k_width=2))
+        acc_l = warpgroup_mma(p_op, ones_smem, acc_l, is_async=True)
+    return acc_l
+
+
+@gluon.jit
+def _wait_pv(acc_tok, l_tok, p16, TENSOR_SUMS: gl.constexpr):
+    """The accumulator, the row sums' accumulator (without TENSOR_SUMS: ``l_tok`` as it is)
+    and P, once P·V and the sums' wgmma are done."""
+    if TENSOR_SUMS:
+        acc, l_tok, p16 = warpgroup_mma_wait(0, deps=(acc_tok, l_tok, p16))
+    else:
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
+    return acc, l_tok, p16
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr):
+              CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr,
+              LAZY_MAX: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over every key tile (``args``:
     one tuple for both consumers, since a partition's arguments cannot be spliced)."""
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
-     stride_qsh, q_desc, q_ready) = args
+     stride_qsh, q_desc, q_ready, ones_smem) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
@@ -563,6 +646,8 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     PV: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, HEAD_DIM, 16])
     P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
+    SUM: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, SUM_COLS, 16])
     PV_T: gl.constexpr = v_smem.dtype if v16_smem is None else gl.float16
     S_T: gl.constexpr = gl.int32 if qs_ptr is not None else gl.float32
 
@@ -583,8 +668,12 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], S_T, QK)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
-    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, PV)
+    # the row sums: on the CUDA cores, or (ones_smem) P times columns of ones on the tensor
+    # cores beside P·V
+    CUDA_SUMS: gl.constexpr = ones_smem is None
+    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
+    acc_l = gl.zeros([WG_ROWS, SUM_COLS], gl.float32, SUM)
     if num_tiles > 0:
         mbarrier.wait(k_ready.index(0), 0)
         _take_turn(turn, WG, 0, CONSUMERS)
@@ -594,7 +683,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         every_key_read = BLOCK_N <= full
         p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
-                                     row_end, 0, every_key_read, cols)
+                                     row_end, 0, every_key_read, cols, CUDA_SUMS, LAZY_MAX)
         if KV_RINGS:  # K and its scales are read; V has its own barrier
             mbarrier.arrive(k_empty.index(0), count=1)
             mbarrier.wait(v_ready.index(0), 0)
@@ -612,16 +701,23 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
             acc_tok = warpgroup_mma(p16, v_prev, acc, is_async=True)
+            l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
             _pass_turn(turn, WG, CONSUMERS)
-            s = warpgroup_mma_wait(1, deps=(s_tok,))
+            s = warpgroup_mma_wait(1 if CUDA_SUMS else 2, deps=(s_tok,))
             every_key_read = (j + 1) * BLOCK_N <= full
             p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
-                                         row_end, j * BLOCK_N, every_key_read, cols)
+                                         row_end, j * BLOCK_N, every_key_read, cols,
+                                         CUDA_SUMS, LAZY_MAX)
             if KV_RINGS:
                 mbarrier.arrive(k_empty.index(cur), count=1)
-            acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
+            acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
             _release_after_pv(v_empty, v16_empty, prev, j - 1, v16_smem)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
+            if LAZY_MAX:
+                acc = _rescale(acc, alpha)
+            else:
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
+            if not CUDA_SUMS:
+                acc_l = acc_l * gl.convert_layout(alpha, gl.SliceLayout(1, SUM))[:, None]
             if KV_RINGS:
                 mbarrier.wait(v_ready.index(cur), phase)
             p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
@@ -630,11 +726,14 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
         v_last = _v_operand(v_smem, v16_smem, v16_ready, last, num_tiles - 1)
         _take_turn(turn, WG, num_tiles, CONSUMERS)
         acc_tok = warpgroup_mma(p16, v_last, acc, is_async=True)
+        l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
         _pass_turn(turn, WG, CONSUMERS)
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc_tok, p16))
+        acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
         _release_after_pv(v_empty, v16_empty, last, num_tiles - 1, v16_smem)
-    _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
-                HEAD_DIM, PV, COPY)
+    if not CUDA_SUMS:  # every column of acc_l holds its row's sum
+        l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
+    _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h, PACK,
+                TOKENS, HEAD_DIM, PV)
 
 
 @gluon.jit
@@ -647,7 +746,8 @@ def ws_prefill_kernel(
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr,
+    KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
+    LAZY_MAX: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
     partition), plus consumer 1 (BLOCK_M 128), the producer warp, the V loader's warp (idle
@@ -691,6 +791,16 @@ def ws_prefill_kernel(
         v16_smem = gl.allocate_shared_memory(
             gl.float16, [V16_BUFS, BLOCK_N, HEAD_DIM],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
+    if SUM_MMA:  # the B operand of the row sums' wgmma (16-bit V: P is V's type), stored
+        # key-major as a K tile is (a [keys, 8] tile of 16-byte rows faulted on the H200)
+        ONES: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ones_smem = gl.allocate_shared_memory(
+            v_desc.dtype, [SUM_COLS, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([SUM_COLS, BLOCK_N], v_desc.dtype),
+            gl.full([SUM_COLS, BLOCK_N], 1.0, v_desc.dtype, ONES)).permute((1, 0))
+        fence_async_shared()  # the wgmma read it through the async proxy
+    else:
+        ones_smem: gl.constexpr = None
     BARS: gl.constexpr = mbarrier.MBarrierLayout()
     # an int8 V buffer goes back once the consumers read its scales and the widener its V
     V_USERS: gl.constexpr = CONSUMERS if vs_ptr is None else CONSUMERS + 1
@@ -739,16 +849,16 @@ def ws_prefill_kernel(
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
             v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
-            stride_qst, stride_qsh, q_desc, q_ready)
+            stride_qst, stride_qsh, q_desc, q_ready, ones_smem)
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     # the producer warp loads K, and V unless the V loader (a warp of its own) does
     K_AND_V: gl.constexpr = not V_LOADER
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -757,7 +867,7 @@ def ws_prefill_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -897,8 +1007,8 @@ def gluon_prefill_kernel(
         acc = warpgroup_mma(p16, v_smem.index(cur), acc, is_async=True)
         s_cur, acc, p16 = warpgroup_mma_wait(0, deps=(s_next, acc, p16))
     cp.wait_group(0)
-    _store_rows(out_ptr, acc, l_i, rows, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
-                HEAD_DIM, PV, COPY)
+    _store_rows(out_ptr, acc, l_i, 0, t0, q_start, q_len, num_q_heads, pid_h, PACK, TOKENS,
+                HEAD_DIM, PV)
 
 
 class Launch(NamedTuple):
@@ -966,7 +1076,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         tensors.append(vs)
         strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                       KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader, maxnreg=plan.maxnreg)
+                       KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
+                       SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q)

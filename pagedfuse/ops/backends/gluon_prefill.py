@@ -117,8 +117,10 @@ class GluonPlan:
     (``kv_rings``, each with its own barriers) and then whether a warp of its own loads V
     (``v_loader``, beside the producer's K), whether the producer loads the query rows by
     TMA where a view of them allows it (``q_tma``: one head per tile, pack 1; else the
-    consumers load them), and the query lengths the launch serves (``min_q`` to ``max_q``,
-    0: no upper bound; another launch takes the rest)."""
+    consumers load them), whether the rows' sums come from the tensor cores (``sum_mma``)
+    and the rows' maxima move only past a margin (``lazy_max``), both with a 16-bit V, and
+    the query lengths the launch serves (``min_q`` to ``max_q``, 0: no upper bound; another
+    launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -128,6 +130,8 @@ class GluonPlan:
     kv_rings: bool = False
     v_loader: bool = False
     q_tma: bool = True
+    sum_mma: bool = False
+    lazy_max: bool = False
     min_q: int = 0
     max_q: int = 0
 
@@ -196,14 +200,24 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
     # the query by TMA: at a CTA's start the consumers' own loads took 1.5 µs on the H200's
     # eight 2K prompts (llama3_8b), and the boxes 0.96-0.98x the time of every kind but INT8
-    # K+V, where they took 1.005-1.03x (benchmarks/results/probes_h200_2026-12-02_q_tma.json)
+    # K+V, where they took 1.005-1.03x (benchmarks/results/probes_h200_2026-12-02_q_tma.json).
+    # The rows' sums on the tensor cores took 0.92-0.997x the time of the CUDA cores' in
+    # every 16-bit V case; lazy maxima 0.95-0.97x at head_dim 256 (with the sums) but
+    # 1.00-1.08x at 128 and 64, where the accumulator's rescale they skip is shorter
+    # (bench_prefill.py --gluon-ab, gluon_ab_h200_2026-12-02_sum_mma_lazy_max.json)
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader,
-                     q_tma=call.kind != "int8_kv")
+                     q_tma=call.kind != "int8_kv", sum_mma=call.kind != "int8_kv",
+                     lazy_max=call.kind != "int8_kv" and call.geometry.head_dim == 256)
     if tma_unsupported(call, plan.block_n):
-        plan = dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
-                                   v_loader=False)
+        plan = _as_cp(plan)
     return plan
+
+
+def _as_cp(plan: GluonPlan) -> GluonPlan:
+    """``plan`` on the "cp" pipeline, with its tiles and without what only "ws" has."""
+    return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
+                               v_loader=False, sum_mma=False, lazy_max=False)
 
 
 def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
@@ -269,8 +283,12 @@ def view_unsupported(name: str, x: torch.Tensor) -> str | None:
 
 
 def make_plan(call: PagedCall, **overrides: object) -> GluonPlan:
-    """default_plan with ``overrides`` (GluonPlan's fields) in place, checked."""
-    plan = dataclasses.replace(default_plan(call), **overrides)
+    """default_plan with ``overrides`` (GluonPlan's fields) in place, checked (a switch to
+    the "cp" pipeline starts from its defaults)."""
+    plan = default_plan(call)
+    if overrides.get("pipeline") == "cp" and plan.pipeline != "cp":
+        plan = _as_cp(plan)
+    plan = dataclasses.replace(plan, **overrides)
     check_plan(call, plan)
     return plan
 
@@ -301,6 +319,15 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
+    for flag in ("sum_mma", "lazy_max"):
+        if getattr(plan, flag) and plan.pipeline != "ws":
+            raise ValueError(f"plan: {flag} is for the 'ws' pipeline, not {plan.pipeline!r}")
+    if plan.sum_mma and call.kind == "int8_kv":
+        raise ValueError("plan: sum_mma needs a 16-bit V cache (with INT8 V, P·V takes "
+                         "P times the V scales, not P)")
+    if plan.lazy_max and call.kind == "int8_kv":
+        raise ValueError("plan: lazy_max needs a 16-bit V cache (with INT8 V, weights of "
+                         "up to 2**8 times a V scale above 256 overflow P' in fp16)")
     if plan.v_loader and not plan.kv_rings:
         raise ValueError("plan: v_loader needs kv_rings (without them one barrier pair "
                          "serves K and V, which one warp loads)")
