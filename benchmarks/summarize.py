@@ -204,6 +204,26 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
                                           rows)
 
 
+def gluon_ab(record: dict) -> tuple[str, str]:
+    """Each combination of Gluon plan switches on the default plans, per case and kind: time
+    against none of them, and error; the fastest in bold."""
+    env = record["env"]
+    ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}; "
+              f"`bench_prefill.py {shlex.join(env['argv'])}`")
+    rows = []
+    for r in record["rows"]:
+        best = min(r["ms"], key=r["ms"].get)
+        cells = [f"{name}: {_ms(ms)} ({r['vs_none'][name]:.3f}x, err {r['err'][name]:.2e})"
+                 for name, ms in r["ms"].items()]
+        rows.append([r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"],
+                     ", ".join(f"**{c}**" if c.startswith(best + ":") else c for c in cells)])
+    note = ("ms per call (medians of do_bench, the variants timed in turns), the time against "
+            "the plan with none of the switches, and the error against fp32 attention; "
+            "backends/gluon_prefill.py's default plans take the switches that won, and a "
+            "switch that won nowhere was taken out again (results/prefill_summary.md).")
+    return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "switches: ms"], rows)
+
+
 def window(record: dict) -> tuple[str, str]:
     env, p = record["env"], record["problem"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, Python "
@@ -428,6 +448,8 @@ SUMMARIES = (
             lambda r: r["env"]["date"], skip=("_pv_int8",)),
     Summary("Gluon prefill tiles", "bench_prefill.py --gluon-sweep", "gluon_tiles_*.json",
             gluon_tiles, lambda r: r["env"]["date"]),
+    Summary("Gluon plan switches", "bench_prefill.py --gluon-ab", "gluon_ab_*.json", gluon_ab,
+            lambda r: r["env"]["date"], group=lambda r: " ".join(r["rows"][0]["ms"])),
     Summary("Tensor-core rates", "mma_rates.py", "mma_rates_*.json", mma_rates,
             lambda r: r["env"]["date"]),
     Summary("Library kernels for prefill", "bench_library_prefill.py",
