@@ -593,9 +593,15 @@ def _gluon_ab_job(job: tuple) -> str:
 
 def run_gluon_ab(args) -> list[dict]:
     """Interleaved A/B of GluonPlan switches (``--gluon-ab FIELD ...``) on the default plans:
-    every combination, timed in turns (ROUNDS medians), with each one's error against fp32
-    attention; the rows name the plans."""
+    every combination, timed in turns (medians of AB_ROUNDS), with each one's error against
+    fp32 attention; the rows name the plans."""
+    from pagedfuse.ops.backends.gluon_prefill import GluonPlan
     from pagedfuse.ops.gluon_prefill import prefill_into
+
+    switches = {f.name for f in dataclasses.fields(GluonPlan) if f.type in (bool, "bool")}
+    if unknown := sorted(set(args.gluon_ab) - switches):
+        raise SystemExit(f"--gluon-ab: {unknown} are not boolean GluonPlan fields "
+                         f"({sorted(switches)})")
 
     jobs = [(GEOMETRIES[g], c, kind, args.gluon_ab) for g in args.geometries
             for c in GLUON_SWEEP_CASES for kind in args.kinds]
