@@ -219,8 +219,9 @@ def gluon_ab(record: dict) -> tuple[str, str]:
                      ", ".join(f"**{c}**" if c.startswith(best + ":") else c for c in cells)])
     note = ("ms per call (medians of do_bench, the variants timed in turns), the time against "
             "the plan with none of the switches, and the error against fp32 attention; "
-            "backends/gluon_prefill.py's default plans take the switches that won, and a "
-            "switch that won nowhere was taken out again (results/prefill_summary.md).")
+            "backends/gluon_prefill.py's default plans take the switches that won where "
+            "the numerics allow them (lazy_max is refused with INT8 V), and a switch that "
+            "won nowhere was taken out again (results/prefill_summary.md).")
     return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "switches: ms"], rows)
 
 
