@@ -204,16 +204,15 @@ def _probs(s, m_i, row_scale, offs_n, row_end, MASKED: gl.constexpr, LAZY: gl.co
     if MASKED:
         x = gl.where(offs_n[None, :] < row_end[:, None], s * row_scale[:, None], float("-inf"))
         m_tile = gl.max(x, axis=1)
-        m_new = gl.maximum(m_i, m_tile)
-        if LAZY:
-            m_new = gl.where(_warp_any(m_tile > m_i + LAZY_LOG2) != 0, m_new, m_i)
+    else:
+        m_tile = gl.max(s, axis=1) * row_scale
+    m_new = gl.maximum(m_i, m_tile)
+    if LAZY:
+        m_new = gl.where(_warp_any(m_tile > m_i + LAZY_LOG2) != 0, m_new, m_i)
+    if MASKED:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = gl.exp2(x - m_use[:, None])
     else:
-        m_tile = gl.max(s, axis=1) * row_scale
-        m_new = gl.maximum(m_i, m_tile)
-        if LAZY:
-            m_new = gl.where(_warp_any(m_tile > m_i + LAZY_LOG2) != 0, m_new, m_i)
         m_use = m_new
         p = gl.exp2(s * row_scale[:, None] - m_use[:, None])
     return p, m_new, m_use
@@ -670,7 +669,8 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, PV)
     # the row sums: on the CUDA cores, or (ones_smem) P times columns of ones on the tensor
-    # cores beside P·V
+    # cores beside P·V; both accumulators exist either way (a Gluon function cannot return
+    # None), and the unused one is never read
     CUDA_SUMS: gl.constexpr = ones_smem is None
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
     acc_l = gl.zeros([WG_ROWS, SUM_COLS], gl.float32, SUM)

@@ -205,10 +205,10 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # every 16-bit V case; lazy maxima 0.95-0.97x at head_dim 256 (with the sums) but
     # 1.00-1.08x at 128 and 64, where the accumulator's rescale they skip is shorter
     # (bench_prefill.py --gluon-ab, gluon_ab_h200_2026-12-02_sum_mma_lazy_max.json)
+    v16 = call.kind != "int8_kv"
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
-                     stages=stages, kv_rings=kv_rings, v_loader=v_loader,
-                     q_tma=call.kind != "int8_kv", sum_mma=call.kind != "int8_kv",
-                     lazy_max=call.kind != "int8_kv" and call.geometry.head_dim == 256)
+                     stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
+                     sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
