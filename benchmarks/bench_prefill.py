@@ -11,15 +11,18 @@ today's pagedfuse op (bf16 and INT8 K+V), and the prefill kernels (triton_prefil
 bf16, INT8 K (bf16 V), INT8 K+V (V dequantized in registers, P·V in bf16) and INT8 K+V
 with int8 P, and the Gluon kernels (gluon_prefill.py: "ws", warp-specialized with TMA, on
 bf16, INT8 K and INT8 K+V caches, "cp", cp.async, on INT8 K;
-a case the backend declines records its reason as the entry's error). Times are medians of
-triton.testing.do_bench (its L2 clear between calls). TFLOP/s counts causal pairs only
-(4 * D * Hq per pair); for INT8 entries it is TOP/s of the same count. Errors are
-||out - ref|| / ||ref|| against fp32 attention on the unquantized K/V; for INT8 entries
-"deq err" is the error of fp32 dequantize-then-attend on the same INT8 cache (the
-quantization's own share). Beside the cases (unless --no-mixed): the mixed batch (MIXED: decode
-rows and prompt chunks in one call, against its parts alone) and the packed batch under a
-mask (PACKED_BIAS: transformers' continuous batching at a prefill step, the mask as attn_bias
-against the same keys called causal and against the gather + SDPA it replaces).
+a case the backend declines records its reason as the entry's error). Times are GPU time:
+medians of triton.testing.do_bench over replays of the call captured in a CUDA graph
+(timing.py, as the decode benchmarks time; do_bench's L2 clear between replays), or over
+plain calls for an entry that cannot be captured (its row's "captured" is false).
+TFLOP/s counts causal pairs only (4 * D * Hq per pair); for INT8 entries it is TOP/s of the
+same count. Errors are ||out - ref|| / ||ref|| against fp32 attention on the unquantized
+K/V; for INT8 entries "deq err" is the error of fp32 dequantize-then-attend on the same INT8
+cache (the quantization's own share). Beside the cases (unless --no-mixed): the mixed
+batch (MIXED: decode rows and prompt chunks in one call, against its parts alone) and the
+packed batch under a mask (PACKED_BIAS: transformers' continuous batching at a prefill
+step, the mask as attn_bias against the same keys called causal and against the gather +
+SDPA it replaces).
 
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
@@ -56,6 +59,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import timing  # noqa: E402
 from helpers.prefill import paged_call  # noqa: E402
 
 import pagedfuse.ops  # noqa: E402,F401  (registers torch.ops.pagedfuse.*)
@@ -66,6 +70,7 @@ CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
 GLUON_SWEEP_CASES = ((1, 8192, 8192), (8, 2048, 2048))  # long tiles, and short ones
 AB_ROUNDS = 3  # --gluon-ab: each variant timed this many times, in turns
+REPS = {"warmup": 25, "rep": 100}  # do_bench's ms of warm-up and of timed replays per entry
 SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the unhinted op
 SHORT_CASE = (64, 8192, 4)
 # the mixed batch: decode rows and prompt chunks in one call, over histories of HISTORY keys
@@ -361,10 +366,22 @@ def plan_for(call, pv: str = "half", shape: tuple[int, int, int, int] | None = N
     return plan
 
 
-def bench_ms(fn: Callable) -> float:
-    import triton.testing
+def timed(fn: Callable) -> tuple[float, bool]:
+    """(ms, captured): the median GPU time of one call of ``fn`` by timing.bench, a CUDA graph
+    replayed after do_bench's L2 clear, so that the host's cost of an eager call is not
+    timed (a Gluon launch from Python costs about 260 µs of the H200 host's time, as much as
+    some of these kernels take on the GPU); by plain calls where ``fn`` cannot be captured."""
+    try:
+        return timing.bench(fn, REPS) / 1e3, True
+    except RuntimeError as exc:  # a peer that syncs or allocates in a way capture refuses
+        torch.cuda.synchronize()
+        print(f"  not captured, timed by plain calls: {str(exc).splitlines()[0][:120]}",
+              flush=True)
+        return timing.bench_eager(fn, REPS) / 1e3, False
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+def bench_ms(fn: Callable) -> float:
+    return timed(fn)[0]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -480,7 +497,7 @@ def run_cases(args, plans: dict) -> list[dict]:
                     if kind != "bf16":
                         row["deq_err"] = rel_err(refs[kind], refs["fp32"])
                     del got
-                    ms = bench_ms(fn)
+                    ms, row["captured"] = timed(fn)
                     row["ms"] = ms
                     row["tflops"] = case.flops() / (ms * 1e-3) / 1e12
                     row["kv_gbs"] = case.kv_bytes(kind) / (ms * 1e-3) / 1e9
@@ -918,7 +935,7 @@ def main() -> None:
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-           "page": PAGE, "argv": sys.argv[1:]}
+           "page": PAGE, "argv": sys.argv[1:], "timing": "graph replay"}
     print(env, flush=True)
     plans = {}
     if args.plans:

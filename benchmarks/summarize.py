@@ -120,6 +120,11 @@ def _timed_by_case(record: dict, fields: tuple[str, ...]) -> dict[tuple, dict[st
     return by_case
 
 
+def _entry_ms(row: dict) -> str:
+    """A timed entry's ms, marked where it was timed by plain calls in a run of graphs."""
+    return _ms(row["ms"]) + (" (plain calls)" if row.get("captured") is False else "")
+
+
 def prefill(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN "
@@ -136,11 +141,12 @@ def prefill(record: dict) -> tuple[str, str]:
         present = [m for m in peers if m in methods]
         best = min(present, key=lambda m: methods[m]["ms"]) if present else None
         cells = [geo, f"{batch}, {seq}, {q}",
-                 f"{best} {_ms(methods[best]['ms'])}" if best else "n/a"]
+                 f"{best} {_entry_ms(methods[best])}" if best else "n/a"]
         fastest = {}  # kind -> the faster of the Triton and Gluon kernels' ms
         for kind, names in kinds.items():
             times = [methods[n]["ms"] if n in methods else None for n in names]
-            cells.append(" / ".join(_ms(t) if t else "n/a" for t in times))
+            cells.append(" / ".join(_entry_ms(methods[n]) if n in methods else "n/a"
+                                    for n in names))
             fastest[kind] = min((t for t in times if t), default=None)
             ratios = []
             if kind != "bf16" and fastest[kind] and fastest["bf16"]:
@@ -154,7 +160,12 @@ def prefill(record: dict) -> tuple[str, str]:
     head = ["geometry", "B, L, q", "fastest peer, ms"]
     for kind in kinds:
         head += [f"{kind}: Triton / Gluon, ms", f"{kind}: the faster's speed"]
-    note = ("ms per call (do_bench medians) of the Triton prefill kernel (triton_prefill, the "
+    timed = ("GPU time per call (do_bench medians of CUDA graph replays after an L2 clear; "
+             "plain calls for an entry that cannot be captured, as its row says)"
+             if env.get("timing") == "graph replay" else
+             "ms per call (do_bench medians of plain calls, the host's cost of a call included "
+             "where it exceeds the GPU's)")
+    note = (f"{timed} of the Triton prefill kernel (triton_prefill, the "
             "op's default) and the warp-specialized Gluon kernel (gluon_prefill \"ws\"); "
             "speed as a multiple of pagedfuse's faster bf16 kernel and of the fastest peer "
             "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, cuDNN's paged SDPA, "
