@@ -62,3 +62,28 @@ def test_a_plot_beside_the_record_is_shown(results):
     _decode_record(results, "decode_a.json", "2026-12-05", 12.5, None)
     shutil.copy(BENCHMARKS / "results" / "decode_h200_2026-11-30.png", results / "decode_a.png")
     assert f"({results.name}/decode_a.png)" in summarize.section(summarize.SUMMARIES[0])
+
+
+def _prefill_record(timing: str | None, captured: bool | None) -> dict:
+    record = json.loads((BENCHMARKS / "results" / "prefill-subset_h200_2026-12-02_graph_timing"
+                         ".json").read_text())
+    record["env"].pop("timing")
+    if timing:
+        record["env"]["timing"] = timing
+    for row in record["rows"]:
+        row.pop("captured", None)
+        if captured is not None and row["method"] == "gluon bf16 ws":
+            row["captured"] = captured
+    return record
+
+
+def test_the_prefill_table_says_how_its_record_was_timed():
+    """A record of graph replays says so, and marks an entry timed by plain calls; an older
+    record (no "timing") says its times include the host's cost of a call."""
+    _, graphed = summarize.prefill(_prefill_record("graph replay", False))
+    assert graphed.startswith("GPU time per call (do_bench medians of CUDA graph replays")
+    marked = [line for line in graphed.splitlines() if "(plain calls)" in line]
+    assert len(marked) == 6 and all(line.startswith("| ") for line in marked)
+    _, plain = summarize.prefill(_prefill_record(None, None))
+    assert plain.startswith("ms per call (do_bench medians of plain calls, the host's cost")
+    assert "(plain calls)" not in plain.split("\n\n", 1)[1]
