@@ -120,6 +120,16 @@ def _timed_by_case(record: dict, fields: tuple[str, ...]) -> dict[tuple, dict[st
     return by_case
 
 
+def _timing(env: dict) -> str:
+    """How a bench_prefill.py record timed its calls: graph replays since the script has,
+    plain calls before (no "timing" in its env)."""
+    if env.get("timing") == "graph replay":
+        return ("GPU time per call (do_bench medians of CUDA graph replays after an L2 clear; "
+                "plain calls for an entry that cannot be captured, as its row says)")
+    return ("ms per call (do_bench medians of plain calls, the host's cost of a call included "
+            "where it exceeds the GPU's)")
+
+
 def _entry_ms(row: dict) -> str:
     """A timed entry's ms, marked where it was timed by plain calls in a run of graphs."""
     return _ms(row["ms"]) + (" (plain calls)" if row.get("captured") is False else "")
@@ -160,12 +170,7 @@ def prefill(record: dict) -> tuple[str, str]:
     head = ["geometry", "B, L, q", "fastest peer, ms"]
     for kind in kinds:
         head += [f"{kind}: Triton / Gluon, ms", f"{kind}: the faster's speed"]
-    timed = ("GPU time per call (do_bench medians of CUDA graph replays after an L2 clear; "
-             "plain calls for an entry that cannot be captured, as its row says)"
-             if env.get("timing") == "graph replay" else
-             "ms per call (do_bench medians of plain calls, the host's cost of a call included "
-             "where it exceeds the GPU's)")
-    note = (f"{timed} of the Triton prefill kernel (triton_prefill, the "
+    note = (f"{_timing(env)} of the Triton prefill kernel (triton_prefill, the "
             "op's default) and the warp-specialized Gluon kernel (gluon_prefill \"ws\"); "
             "speed as a multiple of pagedfuse's faster bf16 kernel and of the fastest peer "
             "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, cuDNN's paged SDPA, "
@@ -206,7 +211,7 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
         best = min(times, key=times.get)
         rows.append([*key, ", ".join(f"**{t}: {_ms(ms)}**" if t == best else f"{t}: {_ms(ms)}"
                                      for t, ms in times.items())])
-    note = ("ms per call (do_bench medians, the query's quantization included) by keys per "
+    note = (f"{_timing(env)}, the query's quantization included, by keys per "
             "tile / buffers (\"rings\": K and V buffers released apart; \"V loader\": V "
             "loaded by a warp of its own); "
             "backends/gluon_prefill.py's WS_TILES takes the fastest per cache kind and "
@@ -228,7 +233,7 @@ def gluon_ab(record: dict) -> tuple[str, str]:
                  for name, ms in r["ms"].items()]
         rows.append([r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"],
                      ", ".join(f"**{c}**" if c.startswith(best + ":") else c for c in cells)])
-    note = ("ms per call (medians of do_bench, the variants timed in turns), the time against "
+    note = (f"{_timing(env)}, the variants timed in turns; the time against "
             "the plan with none of the switches, and the error against fp32 attention; "
             "backends/gluon_prefill.py's default plans take the switches that won where "
             "the numerics allow them (lazy_max is refused with INT8 V), and a switch that "
