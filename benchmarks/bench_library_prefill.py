@@ -3,9 +3,10 @@ paged SDPA (backend ``cudnn_prefill``) and, where it is installed, FlashInfer's 
 prefill (flashinfer_paged.py: its fa3 and fa2 kernels), against our prefill kernels
 (``triton_prefill``, ``gluon_prefill``) and SDPA on contiguous K/V (cuDNN, flash), in one
 run, on bench_prefill.py's cases (its Case, peers, reference and timer) plus a mixed batch
-of decode rows and prompt chunks. Per entry: ms (do_bench median), TFLOP/s of causal pairs,
-error against fp32 attention; for our backends and cuDNN's also the host time of an eager
-call and the time of a CUDA graph replay. Then the other terms of the comparison, per
+of decode rows and prompt chunks. Per entry: ms of GPU time (bench_prefill's timer: CUDA
+graph replays, plain calls where a call cannot be captured, as "captured" says), TFLOP/s of
+causal pairs, error against fp32 attention; for our backends and cuDNN's also the host time
+of an eager call. Then the other terms of the comparison, per
 backend: capture in a CUDA graph (100 replays equal to eager), host synchronisation (none
 may occur: torch's sync debug mode raises), a compiled caller with a varying token count
 (recompiles, cuDNN graphs built, first-call seconds), install weight, FlashInfer's the same
@@ -179,13 +180,10 @@ def run_cases(cases: list, budget: float) -> list[dict]:
                 row["first_call_s"] = round(time.time() - t, 3)
                 row["err"] = bp.rel_err(case.tokens(got) if layout == "bhqd" else got, ref)
                 del got
-                row["ms"] = bp.bench_ms(fn)
+                row["ms"], row["captured"] = bp.timed(fn)
                 row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
                 if name in BACKENDS:
                     row["host_us"] = host_us(fn)
-                    graph, _ = captured(name, case.call("bf16"))
-                    row["graph_ms"] = bp.bench_ms(graph.replay)
-                    del graph
             except Exception as exc:  # a peer that does not run this case
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 traceback.print_exc()
@@ -200,7 +198,7 @@ def line(row: dict) -> str:
     head = f"{row['geometry']:10s} {row.get('case', ''):22s} {row.get('method', ''):16s}"
     if "error" in row:
         return f"{head} {row['error']}"
-    extra = "".join(f" {k} {row[k]:.3f}" for k in ("graph_ms", "host_us") if k in row)
+    extra = f" host_us {row['host_us']:.1f}" if "host_us" in row else ""
     return f"{head} {row['ms']:8.3f} ms {row['tflops']:6.0f} TF/s err {row['err']:.2e}{extra}"
 
 
@@ -459,7 +457,7 @@ def main() -> None:
            "cudnn_frontend": cudnn.__version__, "cudnn_backend": cudnn.backend_version(),
            "torch_cudnn": torch.backends.cudnn.version(), "flashinfer": flashinfer_paged.version(),
            "python": platform.python_version(),
-           "argv": sys.argv[1:]}
+           "argv": sys.argv[1:], "timing": "graph replay"}
     print(env, flush=True)
     rows = run_cases(case_list(args.geometries, not args.no_mixed), args.budget)
     print(table(rows))

@@ -121,8 +121,8 @@ def _timed_by_case(record: dict, fields: tuple[str, ...]) -> dict[tuple, dict[st
 
 
 def _timing(env: dict) -> str:
-    """How a bench_prefill.py record timed its calls: graph replays since the script has,
-    plain calls before (no "timing" in its env)."""
+    """How a bench_prefill.py (or bench_library_prefill.py) record timed its calls: graph
+    replays since the scripts have, plain calls before (no "timing" in its env)."""
     if env.get("timing") == "graph replay":
         return ("GPU time per call (do_bench medians of CUDA graph replays after an L2 clear; "
                 "plain calls for an entry that cannot be captured, as its row says)")
@@ -382,7 +382,7 @@ def library_prefill(record: dict) -> tuple[str, str]:
         lines.append(f"- install: the cuDNN frontend wheel {install['frontend_wheel_mb']} MB "
                      f"({install['nvidia-cudnn-frontend_installed_mb']} MB installed; "
                      "libcudnn ships with torch)")
-    note = ("ms per call (do_bench medians), bf16, 16-token pages; decision and the op-contract "
+    note = (f"{_timing(env)}, bf16, 16-token pages; decision and the op-contract "
             "difference (NaN in unread V slots): docs/library-kernels.md.")
     return ran_on, note + "\n\n" + table(head, rows) + "\n\n" + "\n".join(lines)
 
