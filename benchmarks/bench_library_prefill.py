@@ -107,18 +107,6 @@ def run_backend(name: str, call) -> torch.Tensor:
     return out
 
 
-def captured(name: str, call) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of one backend call (warmed up, so built and compiled, outside)."""
-    out = torch.empty_like(call.query)
-    backend = get_backend(name)
-    backend.run(call, out, None)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.run(call, out, None)
-    return graph, out
-
-
 def host_us(fn: Callable[[], object], calls: int = 20) -> float:
     """CPU time to enqueue one call (the GPU still busy with the earlier ones)."""
     fn()
@@ -226,9 +214,12 @@ def table(rows: list[dict]) -> str:
 # --- the other terms of the comparison ------------------------------------------------------
 
 def check_capture(name: str, call) -> dict:
-    """100 replays of a captured call equal the eager call."""
+    """100 replays of the call captured as every timed entry is (timing.captured: warmed
+    up, so built and compiled, outside the graph) equal the eager call."""
     eager = run_backend(name, call)
-    graph, out = captured(name, call)
+    out = torch.empty_like(call.query)
+    backend = get_backend(name)
+    graph = timing.captured(lambda: backend.run(call, out, None))
     return {"replays_equal_eager": timing.replays_equal(graph, out, eager)}
 
 
