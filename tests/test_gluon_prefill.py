@@ -167,25 +167,71 @@ def test_default_plans_are_checked_once_per_signature(gb):
     assert gb.checked_default_plans(hinted) is not plans
 
 
+def _tiles_with_rows(q_lens, plan, tiles, min_query_len: int) -> int:
+    """The query tiles of a launch that have rows: those of the sequences it serves."""
+    shortest = max(plan.min_q, min_query_len)
+    return sum(min(-(-q // plan.tokens), tiles.per_sequence) for q in q_lens
+               if q >= shortest and (plan.max_q == 0 or q <= plan.max_q))
+
+
+@pytest.mark.parametrize("min_query_len", [0, 2])
+@pytest.mark.parametrize("kind", ["float", "int8_kv"])
+def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
+    """tile_grid's list bound, on random batches (empty queries too): never below the tiles
+    that have rows, a list only where it is shorter than a tile per (tile, sequence), and
+    none where every query is equally long; the list by default with a 16-bit V only."""
+    gen = torch.Generator().manual_seed(5)
+    listed = 0
+    for trial in range(120):
+        batch = int(torch.randint(1, 40, (1,), generator=gen))
+        top = [1, 4, 17, 300][trial % 4]
+        q_lens = torch.randint(0, top + 1, (batch,), generator=gen).tolist()
+        if sum(q_lens) == 0:
+            continue
+        hint = max(q_lens) if trial % 3 else None
+        call = _int8k(q_lens, [5] * batch, kind=kind).call(max_query_len=hint)
+        for plan in gb.default_plans(call):
+            plan = dataclasses.replace(plan, tile_list=True)  # INT8 V's default: False
+            tiles = gb.tile_grid(call, plan, min_query_len)
+            full = batch * tiles.per_sequence
+            assert _tiles_with_rows(q_lens, plan, tiles, min_query_len) <= tiles.length <= full
+            assert tiles.listed == (tiles.length < full)
+            listed += tiles.listed
+            off = gb.tile_grid(call, dataclasses.replace(plan, tile_list=False), min_query_len)
+            assert (off.listed, off.length) == (False, full)
+    assert listed > 40, listed  # the bound is below the grid's often enough to matter
+    assert gb.default_plan(call).tile_list == (kind != "int8_kv")  # measured per kind
+    equal = _int8k([64] * 6, [5] * 6, kind=kind).call(max_query_len=64)
+    plan = dataclasses.replace(gb.default_plan(equal), tile_list=True)
+    assert not gb.tile_grid(call=equal, plan=plan).listed
+    # decode rows beside two 512-token chunks: 69 tiles per head instead of 62 x 4
+    mixed = _int8k([1] * 60 + [512, 512], [100] * 62, kind=kind).call(max_query_len=512)
+    plan = dataclasses.replace(gb.default_plan(mixed), tile_list=True)
+    assert gb.tile_grid(mixed, plan, 2) == gb.TileGrid(4, 69, True)
+
+
 @pytest.mark.parametrize(("q_lens", "spec", "hint", "why"), [
     ([2048], {}, None, None),  # one sequence: its query is the longest
     ([512, 512], {}, 512, None),  # 1024 tokens = 2 x 512: every query is 512 long
-    ([512, 512], {}, None, "1024 tokens in 2 sequences of up to 1024: the query lengths "
-                           "may differ, where it measured no faster"),  # no hint
-    ([512, 100], {}, 512, "612 tokens in 2 sequences of up to 512"),  # a mixed batch
+    ([512, 512], dict(kind="int8_kv"), None, "1024 tokens in 2 sequences of up to 1024: "
+                                             "the query lengths may differ, where it "
+                                             "measured slower"),  # no hint
+    ([512, 100], dict(kind="int8_kv"), 512, "612 tokens in 2 sequences of up to 512"),
+    ([512, 512], {}, None, None),  # INT8 K at 128: as fast with lengths that may differ
     # queries that may differ: two launches (default_plans), where they measured faster
     ([4, 3, 1], dict(kind="float", head_dim=256, num_q_heads=24), None, None),
     ([512, 100], dict(kind="float", head_dim=256), 512, None),
-    ([4, 3, 1], dict(kind="float"), None, "8 tokens in 3 sequences of up to 8"),
-    ([256, 256], {}, 256, "queries of up to 256 tokens: it measured faster from 512 "
-                          "(int8_k, head_dim 128)"),
+    ([4, 3, 1], dict(kind="float"), None, None),
+    ([70, 64, 1], dict(kind="int8_kv"), None, "135 tokens in 3 sequences of up to 135"),
+    ([256, 256], {}, 256, None),  # INT8 K at 128 from q_len 2
+    ([32], dict(head_dim=64), None, "queries of up to 32 tokens: it measured faster from 64 "
+                                    "(int8_k, head_dim 64)"),
     ([4, 4], dict(kind="float"), 4, None),
     ([2048], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
                                                       "triton_prefill measured as fast or "
                                                       "faster"),
     ([512], dict(head_dim=64), None, None),
-    ([256], dict(kind="float", head_dim=64), None, "queries of up to 256 tokens: it "
-                                                  "measured faster from 512"),
+    ([2], dict(kind="float", head_dim=64), None, None),
     ([512], dict(kind="float", head_dim=64), None, None),
     ([64], dict(kind="int8_kv", head_dim=256), None, None),
     ([4, 4], dict(head_dim=256, num_q_heads=24), 4, None),  # INT8 K at 256 from q_len 2
@@ -594,6 +640,40 @@ def test_queries_that_may_differ_take_a_packed_launch_and_the_main_one(gb, kind,
     if kind == "float":
         monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
         assert numerics.rel_err(case.run_op(), want) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_tile_lists_over_many_sequences_match_the_reference(gb, kind):
+    """300 sequences, so that the kernel's search of its tile list takes three steps
+    (LIST_CHUNK 128), with empty queries and one-token ones among them and the longest
+    last: the default launches with and without the length hint, over a tile list and
+    over a tile per (tile, sequence), bit for bit alike, and run_longer."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    q_lens = ([0, 1, 3, 2, 17, 1, 40] * 43)[:299] + [300]
+    histories = ([0, 1000, 5, 1] * 75)[:300]
+    case = _int8k(q_lens, histories, kind=kind, device="cuda", seed=4)
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, kind)
+    for hint in (300, None):
+        call = case.call(max_query_len=hint)
+        outs = {}
+        for listed in (True, False):
+            plans = [dataclasses.replace(p, tile_list=listed) for p in gb.default_plans(call)]
+            assert gb.tile_grid(call, plans[-1]).listed == listed
+            outs[listed] = torch.full_like(case.query, float("nan"))
+            for plan in plans:
+                gb.run(call, outs[listed], plan)
+        assert numerics.rel_err(outs[True], want) <= tol, hint
+        assert torch.equal(outs[True], outs[False]), hint
+        got = case.run_backend(gb.BACKEND, None, max_query_len=hint)  # the default launches
+        assert torch.equal(got, outs[True]), hint
+    out = torch.full_like(case.query, float("nan"))
+    gb.run_longer(case.call(max_query_len=300), out)  # over a list with a 16-bit V
+    ones = torch.tensor([q == 1 for q in q_lens]).repeat_interleave(torch.tensor(q_lens))
+    assert out[ones.cuda()].isnan().all()  # the one-token sequences' rows: not its
+    assert numerics.rel_err(out[~ones.cuda()].cpu().double(), want[~ones]) <= tol
 
 
 GRID = [

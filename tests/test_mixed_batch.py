@@ -52,17 +52,17 @@ def test_calls_without_decode_rows_or_a_decode_kernel_are_declined(mb):
     assert why.startswith("the decode rows: cuda_decode: "), why
 
 
-@pytest.mark.parametrize(("gluon_reason", "hint", "head_dim", "prefill"), [
-    (None, 40, 128, "gluon"), ("slower", 40, 128, "triton"),
-    (None, None, 128, "triton"),  # no hint: the chunks' lengths may be any
-    (None, None, 256, "gluon"),  # ... where its launches for any lengths measured faster
+@pytest.mark.parametrize(("gluon_reason", "hint", "kind", "prefill"), [
+    (None, 40, "int8_kv", "gluon"), ("slower", 40, "float", "triton"),
+    (None, None, "int8_kv", "triton"),  # no hint: the chunks' lengths may be any
+    (None, None, "float", "gluon"),  # ... where its launches for any lengths measured as fast
 ])
 def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon_reason,
-                                                          hint, head_dim, prefill):
+                                                          hint, kind, prefill):
     """With the kernels replaced by recorders: the decode's rows, then the longer
     sequences' on the Gluon kernel where it measured faster for the longest query and
-    that length is hinted or its launches for any lengths measured faster (16-bit K/V at
-    head_dim 256), else triton_prefill."""
+    that length is hinted or its launches for any lengths measured as fast (16-bit K/V,
+    UNEQUAL_FASTER), else triton_prefill."""
     from pagedfuse.ops.backends import cuda_decode, gluon_prefill, triton_prefill
 
     ran = []
@@ -76,8 +76,8 @@ def test_the_decode_part_runs_first_then_the_prefill_part(mb, monkeypatch, gluon
                          (triton_prefill, "triton")):
         monkeypatch.setattr(module, "run_rows" if name == "decode" else "run_longer",
                             lambda call, out, name=name: ran.append(name))
-    case = make_case(seq_lens=[60, 90, 51], q_lens=[1, 40, 1], head_dim=head_dim,
-                     dtype=torch.bfloat16)
+    case = make_case(seq_lens=[60, 90, 51], q_lens=[1, 40, 1], head_dim=128,
+                     dtype=torch.bfloat16, kind=kind)
     call = case.call(max_query_len=hint)
     assert mb.supports(call) is None
     mb.run(call, torch.empty_like(case.query))

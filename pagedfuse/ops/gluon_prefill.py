@@ -43,7 +43,9 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   P·V, and only then waits. Two CTA-wide barriers per tile keep its warpgroups in step.
 
 Both: grid (head pack, query tile, sequence) as in triton_prefill.py (the longest causal
-tiles first); a tile holds ``block_m`` rows, token-major over ``pack`` query heads of one
+tiles first), or where the sequences' lengths differ (head pack, list entry) over a list of
+the tiles that have rows that every CTA builds from query_start_loc (``_work``,
+``tile_grid``); a tile holds ``block_m`` rows, token-major over ``pack`` query heads of one
 GQA group, kept in shared memory ("ws" with ``GluonPlan.q_tma``: loaded by the producer's
 TMA boxes, ahead of the first key tile's, where the tile is one head's consecutive tokens;
 otherwise by the consumers, a chain of loads and stores before their first MMA). INT8 K: Q
@@ -83,7 +85,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -103,6 +104,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     check_plan,
     checked_default_plans,
     swizzle_bytes,
+    tile_grid,
     tma_rows,
     view_unsupported,
 )
@@ -128,6 +130,7 @@ RESCALE_CONSTRAINTS = gl.constexpr(
     ",".join(["=f"] * 16 + [str(i) for i in range(16)] + ["f"] * 16 + ["r"] * 16))
 LAZY_LOG2 = gl.constexpr(8.0)  # how far a row's maximum may lag (log2 units), see _probs
 SUM_COLS = gl.constexpr(8)  # columns of ones in the row sums' wgmma (its narrowest N)
+LIST_CHUNK = gl.constexpr(128)  # sequences per step of _listed_tile's search
 
 
 # ---- shared by both pipelines -----------------------------------------------------------
@@ -142,14 +145,80 @@ def _cache_blocks(blk, num_blocks):
 
 
 @gluon.jit
-def _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE: gl.constexpr):
+def _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, live, PAGE: gl.constexpr):
     """Sequence ``b``'s key count, first query token and query count, clamped into the
-    table and the query."""
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    table and the query; zeros where not ``live`` (no load waited for)."""
+    seq_len = gl.load(seq_lens_ptr + b, mask=live, other=0).to(gl.int32)
     seq_len = gl.minimum(gl.maximum(seq_len, 0), max_blocks * PAGE)
-    q_start = gl.minimum(gl.maximum(gl.load(qsl_ptr + b).to(gl.int32), 0), num_tokens)
-    q_end = gl.minimum(gl.maximum(gl.load(qsl_ptr + b + 1).to(gl.int32), q_start), num_tokens)
+    q_start = gl.load(qsl_ptr + b, mask=live, other=0).to(gl.int32)
+    q_start = gl.minimum(gl.maximum(q_start, 0), num_tokens)
+    q_end = gl.load(qsl_ptr + b + 1, mask=live, other=0).to(gl.int32)
+    q_end = gl.minimum(gl.maximum(q_end, q_start), num_tokens)
     return seq_len, q_start, q_end - q_start
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _listed_tile(qsl_ptr, j, batch, num_tokens, min_q, max_q, max_tiles,
+                 TOKENS: gl.constexpr):
+    """Entry ``j`` of the list of the query tiles the launch serves (sequences of min_q to
+    max_q tokens, at most ``max_tiles`` each), in sequence order and each sequence's last
+    tile first: its sequence, or ``batch`` past the list's end, and its tile. Every CTA
+    builds the list from query_start_loc, LIST_CHUNK sequences at a time, so the grid
+    needs only a bound on its length (no host sync)."""
+    SEQS: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    offs = gl.arange(0, LIST_CHUNK, layout=SEQS)
+    before = j * 0  # tiles of the sequences before the chunk
+    b = j * 0 + batch  # a tensor, as the loop makes it (an argument of 1 is a constant)
+    tile = j * 0
+    b0 = j * 0
+    while (b0 < batch) & (b == batch):
+        idx = b0 + offs
+        ok = idx < batch
+        start = gl.load(qsl_ptr + idx, mask=ok, other=0).to(gl.int32)
+        end = gl.load(qsl_ptr + idx + 1, mask=ok, other=0).to(gl.int32)
+        start = gl.minimum(gl.maximum(start, 0), num_tokens)  # clamped as _sequence does
+        q_len = gl.minimum(gl.maximum(end, start), num_tokens) - start
+        served = ok & (q_len >= min_q) & ((max_q == 0) | (q_len <= max_q))
+        n = gl.where(served, gl.minimum(gl.cdiv(q_len, TOKENS), max_tiles), 0)
+        upto = gl.associative_scan(n, 0, _add) + before  # tiles up to each one's own
+        first = gl.min(gl.where(upto > j, idx, batch), axis=0)
+        at = idx == first
+        k = j - gl.sum(gl.where(at, upto - n, 0), axis=0)  # j's place in its sequence
+        tile = gl.sum(gl.where(at, n, 0), axis=0) - 1 - k
+        b = first
+        before += gl.sum(n, axis=0)
+        b0 += LIST_CHUNK
+    return b, tile
+
+
+@gluon.jit
+def _work(seq_lens_ptr, qsl_ptr, batch, num_tokens, max_blocks, min_q, max_q, max_tiles,
+          TOKENS: gl.constexpr, PAGE: gl.constexpr, LISTED: gl.constexpr):
+    """This CTA's sequence, the first of its query tokens in it (t0), the sequence's key
+    count, first query token and query count, and whether it has no rows to serve. Grid
+    (heads, query tiles, batch), the longest causal tiles first, or with ``LISTED``
+    (heads, a bound on the tiles of the sequences it serves, 1) over _listed_tile's list,
+    where the sequences' lengths differ: a grid sized by the longest query would launch a
+    CTA per tile of every sequence, one per SM at a time, most of them to exit."""
+    if LISTED:
+        b, tile = _listed_tile(qsl_ptr, gl.program_id(1), batch, num_tokens, min_q, max_q,
+                               max_tiles, TOKENS)
+    else:
+        tile = gl.num_programs(1) - 1 - gl.program_id(1)
+        b = gl.program_id(2)
+    live = b < batch  # past the list's end: exits without reading a sequence
+    b = gl.minimum(b, batch - 1)
+    seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks,
+                                        live, PAGE)
+    t0 = tile * TOKENS
+    # sequences of fewer than min_q or (max_q > 0) more than max_q tokens: another launch's
+    idle = ~live | (t0 >= q_len) | (q_len < min_q) | ((max_q > 0) & (q_len > max_q))
+    return b, t0, seq_len, q_start, q_len, idle
 
 
 @gluon.jit
@@ -742,27 +811,25 @@ def ws_prefill_kernel(
     qsl_ptr, out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
-    stride_vst, stride_vsh, stride_btb, stride_btn, min_q, max_q,
+    stride_vst, stride_vsh, stride_btb, stride_btn, min_q, max_q, batch, max_tiles,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
-    LAZY_MAX: gl.constexpr,
+    LAZY_MAX: gl.constexpr, LISTED: gl.constexpr,
 ):
-    """Grid (num_q_heads / PACK, query tiles, batch); num_warps = 4 (consumer 0, the default
-    partition), plus consumer 1 (BLOCK_M 128), the producer warp, the V loader's warp (idle
-    without V_LOADER) and the widener's warps (idle without an INT8 V cache). The caches'
-    kinds come from the arguments: an int8 query with its scales ``qs_ptr`` for an INT8 K
-    cache (with ``ks_ptr``), a 16-bit one and None for a 16-bit K cache; ``vs_ptr`` for an
-    INT8 V cache, None for a 16-bit one."""
+    """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
+    num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
+    producer warp, the V loader's warp (idle without V_LOADER) and the widener's warps (idle
+    without an INT8 V cache). The caches' kinds come from the arguments: an int8 query with
+    its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None for a
+    16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
     pid_h = gl.program_id(0)
-    tile = gl.num_programs(1) - 1 - gl.program_id(1)  # causal: the longest tiles first
-    b = gl.program_id(2)
-    seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
-    t0 = tile * (BLOCK_M // PACK)
-    # sequences of fewer than min_q or (max_q > 0) more than max_q tokens: another launch's
-    if (t0 >= q_len) | (q_len < min_q) | ((max_q > 0) & (q_len > max_q)):
+    b, t0, seq_len, q_start, q_len, idle = _work(
+        seq_lens_ptr, qsl_ptr, batch, num_tokens, max_blocks, min_q, max_q, max_tiles,
+        BLOCK_M // PACK, PAGE, LISTED)
+    if idle:
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -912,13 +979,13 @@ def gluon_prefill_kernel(
     sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_btb,
-    stride_btn, min_q, max_q,
+    stride_btn, min_q, max_q, batch, max_tiles,
     GROUP: gl.constexpr, PACK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    COPY_TPW_D: gl.constexpr,
+    COPY_TPW_D: gl.constexpr, LISTED: gl.constexpr,
 ):
-    """INT8 K, 16-bit V. Grid (num_q_heads / PACK, query tiles, batch); num_warps = BLOCK_M //
-    16."""
+    """INT8 K, 16-bit V. Grid (num_q_heads / PACK, query tiles, batch), or over a list
+    (``_work``); num_warps = BLOCK_M // 16."""
     NUM_WARPS: gl.constexpr = BLOCK_M // 16
     TOKENS: gl.constexpr = BLOCK_M // PACK
     # 16-byte cp.async per thread and row piece (int8 K: one, 16-bit V: two)
@@ -936,12 +1003,10 @@ def gluon_prefill_kernel(
     S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     pid_h = gl.program_id(0)
-    tile = gl.num_programs(1) - 1 - gl.program_id(1)  # causal: the longest tiles first
-    b = gl.program_id(2)
-    seq_len, q_start, q_len = _sequence(seq_lens_ptr, qsl_ptr, b, num_tokens, max_blocks, PAGE)
-    t0 = tile * TOKENS
-    # sequences of fewer than min_q or (max_q > 0) more than max_q tokens: another launch's
-    if (t0 >= q_len) | (q_len < min_q) | ((max_q > 0) & (q_len > max_q)):
+    b, t0, seq_len, q_start, q_len, idle = _work(
+        seq_lens_ptr, qsl_ptr, batch, num_tokens, max_blocks, min_q, max_q, max_tiles,
+        TOKENS, PAGE, LISTED)
+    if idle:
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
@@ -1057,13 +1122,13 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     the plan's min_q to max_q."""
     g = call.geometry
     kc, vc, ks, vs = call.key_cache, call.value_cache, call.key_scale, call.value_scale
-    queries = min(call.query_bound, plan.max_q) if plan.max_q else call.query_bound
-    tiles = triton.cdiv(queries, plan.tokens)
-    grid = (g.num_q_heads // plan.pack, tiles, g.batch)
+    tiles = tile_grid(call, plan, min_query_len)
+    grid = ((g.num_q_heads // plan.pack, tiles.length, 1) if tiles.listed
+            else (g.num_q_heads // plan.pack, tiles.per_sequence, g.batch))
     options = dict(
         GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=g.head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,
-        COPY_TPW_D=min(g.head_dim // 16, 32), num_warps=plan.num_warps,
+        COPY_TPW_D=min(g.head_dim // 16, 32), LISTED=tiles.listed, num_warps=plan.num_warps,
     )
     tensors = [q, q_scale, kc, vc, ks]
     strides = [*q.stride()[:2], *_strides(q_scale, 2), *kc.stride()[:3], *vc.stride()[:3],
@@ -1080,7 +1145,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
-            *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q)
+            *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q,
+            g.batch, tiles.per_sequence)
     return Launch(kernel, grid, args, options)
 
 
@@ -1104,4 +1170,5 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
     for p in plans:
         launch = launch_args(call, out, p, q, q_scale, min_query_len)
-        launch.kernel[launch.grid](*launch.args, **launch.options)
+        if all(launch.grid):  # a list bound of 0: no sequence has rows for it
+            launch.kernel[launch.grid](*launch.args, **launch.options)

@@ -12,18 +12,17 @@ size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pag
 cannot load and "cp" does not cover is declined with the TMA reason.
 
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
-measured faster (``defers``, ``FASTER_FROM``): on the H200 (bench_prefill.py,
-benchmarks/results/prefill_h200_2026-12-02_tiles.json, the table in benchmarks/README.md)
-"ws" took 0.57-0.81x triton_prefill's time for 16-bit K/V at head_dim 128 (but 1.05x at
-q_len 64) and 0.74-0.88x at 256, from q_len 4 up; 0.60-0.77x for INT8 K at 128 from q_len
-512 up and at 256 from 4 up; 0.72-0.98x for INT8 K+V at 128 and 256 from 64 up (before its
-widener partition); elsewhere it was slower or even. Those runs had every sequence's query
+measured faster (``defers``, ``FASTER_FROM``, whose comment has the H200's numbers): 16-bit
+K/V from q_len 2, INT8 K from q_len 2 at head_dim 128 and 256 and from 64 at 64, INT8 K+V
+from 64 at 128 and 256; triton_prefill keeps the rest. Those runs had every sequence's query
 of one length. The grid sizes its tiles by the longest query (``default_plan``); where the
 sizes do not prove the lengths equal (num_tokens = batch x max_query_len, or one sequence:
 no length is read), the sequences short enough for the packed tile of one-token queries get
-a launch of their own (``default_plans``), as triton_prefill's do. The op's choice takes
-such a batch only where those launches measured faster (``UNEQUAL_FASTER``: 16-bit K/V at
-head_dim 256); elsewhere a batch of queries that may differ stays with triton_prefill.
+a launch of their own (``default_plans``), as triton_prefill's do, and the main launch runs
+over a list of the tiles that have rows (``tile_grid``). The op's choice takes such a batch
+only where those launches measured as fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at
+head_dim 128 and 256); elsewhere a batch of queries that may differ stays with
+triton_prefill.
 PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
@@ -86,22 +85,29 @@ WS_TILES = {
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 # The shortest query from which "ws" measured faster than triton_prefill on the H200, by
-# (call.kind, head_dim), with WS_TILES' tiles (bench_prefill.py, 2026-12-02, record
-# prefill_h200_2026-12-02_tiles.json; head_dim 64 from that day's tile sweep); a kind and
-# head_dim not listed stays with triton_prefill. 16-bit K/V at 128 from q_len 2: it took
-# 0.57-0.81x triton_prefill's time at q_len 4 and from 512 up, and 1.05x at 64. INT8 K from
-# 512 at head_dim 64 and 128: at q_len 64 it took 0.81-2.04x, not the same in any two runs
-# (not explained). At 256 from q_len 2: 0.66-0.76x at q_len 4 and 64 in the last two runs
-# (records prefill_h200_2026-12-02_with_widening.json and ..._with_widening_partition.json).
-FASTER_FROM = {("float", 64): 512, ("float", 128): 2, ("float", 256): 2,
-               ("int8_k", 64): 512, ("int8_k", 128): 512, ("int8_k", 256): 2,
+# (call.kind, head_dim), with WS_TILES' tiles, timed by CUDA graph replays (bench_prefill.py,
+# record prefill_h200_2026-12-02_with_widening_partition_peers_v_loader_sums_lazy_maxima_
+# graph_timed.json, q_len 4, 64, 512, 2048 and 8192); a kind and head_dim not listed stays
+# with triton_prefill. 16-bit K/V from q_len 2 at every head_dim: 0.54-0.83x its time at
+# head_dim 128 and 256, 0.73-0.91x at 64. INT8 K from 2 at 128 and 256: 0.60-0.78x from q_len
+# 64 up, and at 4 0.74x at 256 and even at 128 (0.99x); at 64 from q_len 64: 0.87-0.97x but
+# 1.07x on eight 2K prompts, and 1.04x at q_len 4. INT8 K+V at 128 and 256 from 64: 0.62-0.85x,
+# at q_len 4 1.01-1.15x; at 64 it was slower everywhere (1.02-1.22x). (The earlier
+# thresholds, 512 at head_dim 64 and for INT8 K at 128, came from plain calls, where an eager
+# Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms.)
+FASTER_FROM = {("float", 64): 2, ("float", 128): 2, ("float", 256): 2,
+               ("int8_k", 64): 64, ("int8_k", 128): 2, ("int8_k", 256): 2,
                ("int8_kv", 128): 64, ("int8_kv", 256): 64}
 # (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
-# the short ones, default_plans) measured faster than triton_prefill's: the op without
-# length hints at q_len 4, B=64, L=8192 on the H200 (2026-12-02) took 0.608 ms against 0.735
-# at head_dim 256 (qwen35) but 0.685 against 0.629 at 128 (llama3_8b), where the hinted call
-# takes 0.494 (not located: the main launch's tiles, all exiting here, are one CTA per SM)
-UNEQUAL_FASTER = frozenset({("float", 256)})
+# the short ones, then the main one over its tile list: default_plans, tile_grid) measured
+# at least as fast as triton_prefill's at q_len 4, B=64, L=8192 without length hints on the
+# H200, the case least in their favour (every query short: long ones gain more, see
+# FASTER_FROM), by CUDA graph replays in two runs (probes_h200_2026-12-02_tile_list.json):
+# 16-bit K/V 0.78x at head_dim 256, 0.82x at 128, 0.90x at 64; INT8 K
+# 0.75x at 256 and even at 128 (0.997x and 1.009x). Not INT8 K at 64 (1.06x) nor INT8 K+V
+# (1.02-1.04x at 128 over the list, 1.05x without it; 1.22-1.24x at 256)
+UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 128),
+                            ("int8_k", 256)})
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -118,9 +124,10 @@ class GluonPlan:
     (``v_loader``, beside the producer's K), whether the producer loads the query rows by
     TMA where a view of them allows it (``q_tma``: one head per tile, pack 1; else the
     consumers load them), whether the rows' sums come from the tensor cores (``sum_mma``)
-    and the rows' maxima move only past a margin (``lazy_max``), both with a 16-bit V, and
-    the query lengths the launch serves (``min_q`` to ``max_q``, 0: no upper bound; another
-    launch takes the rest)."""
+    and the rows' maxima move only past a margin (``lazy_max``), both with a 16-bit V,
+    whether the grid may run over a list of the tiles that have rows where the sequences'
+    lengths differ (``tile_list``, see ``tile_grid``), and the query lengths the launch
+    serves (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -132,6 +139,7 @@ class GluonPlan:
     q_tma: bool = True
     sum_mma: bool = False
     lazy_max: bool = False
+    tile_list: bool = True
     min_q: int = 0
     max_q: int = 0
 
@@ -152,6 +160,37 @@ class GluonPlan:
         share of the register file; consumer 0 gets what the others leave."""
         groups = self.block_m // 64 + 1
         return ((self.block_m // 64) * CONSUMER_REGS + PRODUCER_REGS) // groups // 8 * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGrid:
+    """A launch's query tiles: at most ``per_sequence`` of each sequence, as a grid axis of
+    that many beside one of the sequences, or (``listed``) one axis over a list of every
+    sequence's tiles that the kernel builds on the device, of at most ``length``."""
+
+    per_sequence: int
+    length: int
+    listed: bool
+
+
+def tile_grid(call: PagedCall, plan: GluonPlan, min_query_len: int = 0) -> TileGrid:
+    """``plan``'s tile axes for ``call``, its sequences of fewer than ``min_query_len``
+    tokens left out: a list where the sizes bound it below a tile per (tile, sequence).
+    A sequence of q >= m tokens has ceil(q / tokens) <= (q + tokens - 1) / tokens tiles,
+    at most num_tokens // m sequences have m tokens, and their queries hold num_tokens at
+    most; so a batch of decode rows beside two 512-token chunks (62 sequences) launches 69
+    tiles' CTAs per head instead of 248, most of which would exit at once, one per SM at a
+    time (the launch's shared memory takes the SM)."""
+    g = call.geometry
+    queries = min(call.query_bound, plan.max_q) if plan.max_q else call.query_bound
+    per_sequence = -(-queries // plan.tokens)
+    full = g.batch * per_sequence
+    shortest = max(min_query_len, plan.min_q, 1)
+    served = min(g.batch, g.num_tokens // shortest)
+    length = min(full, (g.num_tokens + served * (plan.tokens - 1)) // plan.tokens)
+    if plan.tile_list and length < full:
+        return TileGrid(per_sequence, length, True)
+    return TileGrid(per_sequence, full, False)
 
 
 def default_plan(call: PagedCall) -> GluonPlan:
@@ -206,9 +245,16 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # 1.00-1.08x at 128 and 64, where the accumulator's rescale they skip is shorter
     # (bench_prefill.py --gluon-ab, gluon_ab_h200_2026-12-02_sum_mma_lazy_max.json)
     v16 = call.kind != "int8_kv"
+    # The tile list (where the lengths differ) cut the cost of a launch whose CTAs all exit
+    # from 29-40 µs to 9-13 (llama3_8b: 32 x 240 CTAs, 32 x 30 listed) and took the mixed batch from
+    # 1.02-1.11x its parts to 1.00-1.05x with a 16-bit V; with INT8 V it took llama3_8b's to
+    # 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its real entries
+    # taking 0.425 ms against 0.353 alone (not located: their loops compile alike), and
+    # 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
-                     sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256)
+                     sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256,
+                     tile_list=v16)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -392,20 +438,20 @@ def slower(call: PagedCall) -> str | None:
 
 
 def takes_unequal_queries(call: PagedCall) -> bool:
-    """Whether its launches for queries that may differ (default_plans) measured faster
-    than triton_prefill's for ``call``'s cache kind and head_dim (UNEQUAL_FASTER)."""
+    """Whether its launches for queries that may differ (default_plans) measured as fast as
+    triton_prefill's for ``call``'s cache kind and head_dim (UNEQUAL_FASTER)."""
     return (call.kind, call.geometry.head_dim) in UNEQUAL_FASTER
 
 
 def defers(call: PagedCall) -> str | None:
     """Why the op's own choice leaves ``call`` to triton_prefill (``slower``, or query
-    lengths that may differ where its two launches measured no faster), or None."""
+    lengths that may differ where its two launches measured slower), or None."""
     if why := slower(call):
         return why
     g, bound = call.geometry, call.query_bound
     if g.batch > 1 and g.num_tokens != g.batch * bound and not takes_unequal_queries(call):
         return (f"{g.num_tokens} tokens in {g.batch} sequences of up to {bound}: the query "
-                "lengths may differ, where it measured no faster (UNEQUAL_FASTER)")
+                "lengths may differ, where it measured slower (UNEQUAL_FASTER)")
     return None
 
 
