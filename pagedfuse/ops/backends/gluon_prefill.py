@@ -246,11 +246,11 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # (bench_prefill.py --gluon-ab, gluon_ab_h200_2026-12-02_sum_mma_lazy_max.json)
     v16 = call.kind != "int8_kv"
     # The tile list (where the lengths differ) cut the cost of a launch whose CTAs all exit
-    # from 29-40 µs to 9-13 (llama3_8b: 32 x 240 CTAs, 32 x 30 listed) and took the mixed batch from
-    # 1.02-1.11x its parts to 1.00-1.05x with a 16-bit V; with INT8 V it took llama3_8b's to
-    # 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its real entries
-    # taking 0.425 ms against 0.353 alone (not located: their loops compile alike), and
-    # 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
+    # from 29-40 µs to 9-13 (llama3_8b: 32 x 240 CTAs, 32 x 30 listed) and took the mixed
+    # batch from 1.02-1.11x its parts to 1.00-1.05x with a 16-bit V; with INT8 V it took
+    # llama3_8b's to 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its
+    # real entries taking 0.425 ms against 0.353 alone (not located: their loops compile
+    # alike), and 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256,

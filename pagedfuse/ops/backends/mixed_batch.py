@@ -4,7 +4,7 @@ decode's grid serves the sequences of one query token and skips the others on th
 (csrc/cuda/paged_decode.cu ``sequence``), then a prefill kernel serves the others and skips
 the one-token ones (``min_query_len`` 2): the Gluon kernel where its measured rule takes the
 call's longest query (gluon_prefill.slower) and either that length is hinted or its
-launches for queries of any length measured faster (gluon_prefill.takes_unequal_queries:
+launches for queries of any length measured as fast (gluon_prefill.takes_unequal_queries:
 without the hint the longest query is every token of the batch, and the chunks' real
 lengths may be any), else triton_prefill. Run alone, a prefill kernel serves the decode
 rows in a packed launch of their own (default_plans), slower than the CUDA decode. An INT8 K
