@@ -54,7 +54,8 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim; K and V rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16
-# (INT8 V; 16-bit at head_dim 256 by default); one consumer with INT8 V; the cp
+# (INT8 V; 16-bit at head_dim 256 by default); one consumer with INT8 V; consumers that
+# stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
 # pipeline at page 1; a tile list over 201 sequences (two steps of its search). Then
 # mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks).
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
@@ -71,6 +72,8 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
         (dict(prefill, head_dim=128, kind="int8_kv", block_size=256), rings),
         (dict(prefill, head_dim=128, kind="int8_kv"), dict(rings, v_loader=True)),
         (dict(prefill, head_dim=128, kind="int8_kv"), dict(backend="gluon_prefill", block_m=64)),
+        (dict(prefill, head_dim=128, kind="int8_kv"),
+         dict(backend="gluon_prefill", block_n=64, stages=2, own_tiles=True)),
         (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
          dict(backend="gluon_prefill", pipeline="cp")),
         (dict(prefill, head_dim=128, q_lens=many, seq_lens=tuple(q + 20 for q in many)),

@@ -99,6 +99,7 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
     assert plan.kv_rings == plan.v_loader == ((head_dim, kind) == (256, "float"))
     assert plan.q_tma == plan.sum_mma == (kind != "int8_kv")
     assert plan.lazy_max == (head_dim == 256 and kind != "int8_kv")
+    assert plan.own_tiles == ((head_dim, kind) != (128, "int8_kv"))
     assert head_dim in gb.BACKEND.head_dims[call.op]
 
 
@@ -234,6 +235,7 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([2], dict(kind="float", head_dim=64), None, None),
     ([512], dict(kind="float", head_dim=64), None, None),
     ([64], dict(kind="int8_kv", head_dim=256), None, None),
+    ([4, 4], dict(kind="int8_kv", head_dim=256, num_q_heads=24), 4, None),  # from q_len 2
     ([4, 4], dict(head_dim=256, num_q_heads=24), 4, None),  # INT8 K at 256 from q_len 2
     ([32], dict(kind="int8_kv"), None, "queries of up to 32 tokens: it measured faster from "
                                        "64 (int8_kv, head_dim 128)"),
@@ -318,6 +320,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(v_loader=True), "plan: v_loader needs kv_rings"),
     (dict(pipeline="cp", sum_mma=True), "plan: sum_mma is for the 'ws' pipeline, not 'cp'"),
     (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
+    (dict(pipeline="cp", own_tiles=True), "plan: own_tiles is for the 'ws' pipeline"),
     (dict(sum_mma=True, kind="int8_kv"), "plan: sum_mma needs a 16-bit V cache"),
     (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
@@ -494,6 +497,27 @@ def test_separate_k_and_v_rings_match_the_reference(gb, kind, block_size, v_load
     got = case.run_backend(gb.BACKEND, plan, **hints)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(got, case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_rings", [False, True])
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_consumers_that_stop_at_their_own_tiles_change_nothing(gb, kind, kv_rings):
+    """own_tiles: below the diagonal consumer 0 stops a 64-key tile before consumer 1, and a
+    consumer whose rows all lie past the query (a 130-token query's second tile) stops after
+    one, handing 17 tiles back unread through two buffers: bit-identical to every consumer
+    reading every tile, and to the reference, in every cache kind with and without K and V
+    rings."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([130, 64, 1, 300], [1000, 0, 5, 37], device="cuda", seed=7, kind=kind)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    outs = [case.run_backend(gb.BACKEND, gb.make_plan(case.call(**hints), block_n=64, stages=2,
+                                                      kv_rings=kv_rings, own_tiles=own),
+                             **hints) for own in (False, True)]
+    assert torch.equal(outs[0], outs[1])  # (NaN-filled first: every row written)
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    assert numerics.rel_err(outs[1], case.reference()) <= tol
 
 
 def _keys_scaled_per_page(case, top: float, seed: int):

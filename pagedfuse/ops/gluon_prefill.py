@@ -697,9 +697,10 @@ def _wait_pv(acc_tok, l_tok, p16, TENSOR_SUMS: gl.constexpr):
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr,
-              LAZY_MAX: gl.constexpr):
-    """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over every key tile (``args``:
-    one tuple for both consumers, since a partition's arguments cannot be spliced)."""
+              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr):
+    """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over the CTA's key tiles, or
+    with OWN_TILES those its own rows read (``args``: one tuple for both consumers, since a
+    partition's arguments cannot be spliced)."""
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
@@ -731,8 +732,14 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
                                         CAUSAL)
-    _, full = _key_bounds(seq_len, ctx, t0 + (WG * WG_ROWS) // PACK, 1, CAUSAL)
+    t_first = t0 + (WG * WG_ROWS) // PACK
+    own_hi, full = _key_bounds(seq_len, ctx, t_first, WG_ROWS // PACK, CAUSAL)
     full = gl.minimum(full, hi)
+    own = num_tiles
+    if OWN_TILES:  # the key tiles this warpgroup's rows read (rows past the query: none);
+        # it computes at least the first (its turns start there), the rest go back unread
+        own = gl.where(t_first < q_len, gl.cdiv(gl.minimum(own_hi, hi), BLOCK_N), 1)
+        own = gl.minimum(gl.maximum(own, 1), num_tiles)
     cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, QK))
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], S_T, QK)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, QK))
@@ -758,7 +765,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             mbarrier.wait(v_ready.index(0), 0)
         p16 = _p_operand(p, vs_smem, 0, every_key_read, QK, P_OP, PV_T)
         _release_after_p(v_empty, 0, v16_smem)
-        for j in range(1, num_tiles):
+        for j in range(1, own):
             cur = j % STAGES
             prev = (j - 1) % STAGES
             phase = (j // STAGES) & 1
@@ -791,14 +798,28 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                 mbarrier.wait(v_ready.index(cur), phase)
             p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
             _release_after_p(v_empty, cur, v16_smem)
-        last = (num_tiles - 1) % STAGES
-        v_last = _v_operand(v_smem, v16_smem, v16_ready, last, num_tiles - 1)
-        _take_turn(turn, WG, num_tiles, CONSUMERS)
+        last = (own - 1) % STAGES
+        v_last = _v_operand(v_smem, v16_smem, v16_ready, last, own - 1)
+        _take_turn(turn, WG, own, CONSUMERS)
         acc_tok = warpgroup_mma(p16, v_last, acc, is_async=True)
         l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
         _pass_turn(turn, WG, CONSUMERS)
         acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
-        _release_after_pv(v_empty, v16_empty, last, num_tiles - 1, v16_smem)
+        _release_after_pv(v_empty, v16_empty, last, own - 1, v16_smem)
+        if OWN_TILES:
+            for j in range(own, num_tiles):  # unread: the buffers' shares and turns go on
+                cur = j % STAGES
+                phase = (j // STAGES) & 1
+                # loaded: the buffer's use before went back, so these arrivals count for this
+                mbarrier.wait(k_ready.index(cur), phase)
+                if KV_RINGS:
+                    mbarrier.arrive(k_empty.index(cur), count=1)
+                    mbarrier.wait(v_ready.index(cur), phase)
+                _release_after_p(v_empty, cur, v16_smem)
+                _v_operand(v_smem, v16_smem, v16_ready, cur, j)  # INT8 V: once it is widened
+                _release_after_pv(v_empty, v16_empty, cur, j, v16_smem)
+                _take_turn(turn, WG, j + 1, CONSUMERS)
+                _pass_turn(turn, WG, CONSUMERS)
     if not CUDA_SUMS:  # every column of acc_l holds its row's sum
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
     _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h, PACK,
@@ -816,7 +837,7 @@ def ws_prefill_kernel(
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
-    LAZY_MAX: gl.constexpr, LISTED: gl.constexpr,
+    LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, LISTED: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
     num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
@@ -923,9 +944,9 @@ def ws_prefill_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -934,7 +955,7 @@ def ws_prefill_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -1142,7 +1163,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         strides += _strides(vs, 3)
         options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
-                       SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max, maxnreg=plan.maxnreg)
+                       SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
+                       OWN_TILES=plan.own_tiles, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q,

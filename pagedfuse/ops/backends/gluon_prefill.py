@@ -14,15 +14,15 @@ cannot load and "cp" does not cover is declined with the TMA reason.
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
 measured faster (``defers``, ``FASTER_FROM``, whose comment has the H200's numbers): 16-bit
 K/V from q_len 2, INT8 K from q_len 2 at head_dim 128 and 256 and from 64 at 64, INT8 K+V
-from 64 at 128 and 256; triton_prefill keeps the rest. Those runs had every sequence's query
-of one length. The grid sizes its tiles by the longest query (``default_plan``); where the
-sizes do not prove the lengths equal (num_tokens = batch x max_query_len, or one sequence:
-no length is read), the sequences short enough for the packed tile of one-token queries get
-a launch of their own (``default_plans``), as triton_prefill's do, and the main launch runs
-over a list of the tiles that have rows (``tile_grid``). The op's choice takes such a batch
-only where those launches measured as fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at
-head_dim 128 and 256); elsewhere a batch of queries that may differ stays with
-triton_prefill.
+from 2 at 256 and from 64 at 128; triton_prefill keeps the rest. Those runs had every
+sequence's query of one length. The grid sizes its tiles by the longest query
+(``default_plan``); where the sizes do not prove the lengths equal (num_tokens = batch x
+max_query_len, or one sequence: no length is read), the sequences short enough for the
+packed tile of one-token queries get a launch of their own (``default_plans``), as
+triton_prefill's do, and the main launch runs over a list of the tiles that have rows
+(``tile_grid``). The op's choice takes such a batch only where those launches measured as
+fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at head_dim 128 and 256); elsewhere a batch
+of queries that may differ stays with triton_prefill.
 PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
@@ -94,10 +94,13 @@ PRODUCER_REGS = 40
 # 1.07x on eight 2K prompts, and 1.04x at q_len 4. INT8 K+V at 128 and 256 from 64: 0.62-0.85x,
 # at q_len 4 1.01-1.15x; at 64 it was slower everywhere (1.02-1.22x). (The earlier
 # thresholds, 512 at head_dim 64 and for INT8 K at 128, came from plain calls, where an eager
-# Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms.)
+# Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms.) Since consumers stop
+# at their own tiles (GluonPlan.own_tiles), INT8 K+V at 256 takes 0.84x at q_len 4 too (0.370
+# against 0.441 ms: a 24-row tile's second consumer stops after one key tile), and 0.60-0.75x
+# from q_len 64 up (prefill_h200_2026-12-03_own_tiles.json)
 FASTER_FROM = {("float", 64): 2, ("float", 128): 2, ("float", 256): 2,
                ("int8_k", 64): 64, ("int8_k", 128): 2, ("int8_k", 256): 2,
-               ("int8_kv", 128): 64, ("int8_kv", 256): 64}
+               ("int8_kv", 128): 64, ("int8_kv", 256): 2}
 # (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
 # the short ones, then the main one over its tile list: default_plans, tile_grid) measured
 # at least as fast as triton_prefill's at q_len 4, B=64, L=8192 without length hints on the
@@ -125,9 +128,11 @@ class GluonPlan:
     TMA where a view of them allows it (``q_tma``: one head per tile, pack 1; else the
     consumers load them), whether the rows' sums come from the tensor cores (``sum_mma``)
     and the rows' maxima move only past a margin (``lazy_max``), both with a 16-bit V,
-    whether the grid may run over a list of the tiles that have rows where the sequences'
-    lengths differ (``tile_list``, see ``tile_grid``), and the query lengths the launch
-    serves (``min_q`` to ``max_q``, 0: no upper bound; another launch takes the rest)."""
+    whether each consumer stops at the last key tile its own rows read (``own_tiles``: below
+    the diagonal, consumer 0's rows end a tile of 64 keys before consumer 1's), whether the
+    grid may run over a list of the tiles that have rows where the sequences' lengths differ
+    (``tile_list``, see ``tile_grid``), and the query lengths the launch serves (``min_q``
+    to ``max_q``, 0: no upper bound; another launch takes the rest)."""
 
     block_m: int = 128
     pack: int = 1
@@ -139,6 +144,7 @@ class GluonPlan:
     q_tma: bool = True
     sum_mma: bool = False
     lazy_max: bool = False
+    own_tiles: bool = True
     tile_list: bool = True
     min_q: int = 0
     max_q: int = 0
@@ -245,6 +251,11 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # 1.00-1.08x at 128 and 64, where the accumulator's rescale they skip is shorter
     # (bench_prefill.py --gluon-ab, gluon_ab_h200_2026-12-02_sum_mma_lazy_max.json)
     v16 = call.kind != "int8_kv"
+    # Consumers that stop at their own last key tile took 0.98-0.99x the time on eight 2K
+    # prompts with 64-key tiles (qwen35, llama3_8b bf16), 0.95-1.00x elsewhere, outputs
+    # bit-identical; but INT8 K+V at head_dim 128, whose 128-key tiles leave consumer 0
+    # nothing to skip on these cases, took 1.02-1.04x (probes_h200_2026-12-03_own_tiles.json)
+    own_tiles = not (call.kind == "int8_kv" and call.geometry.head_dim == 128)
     # The tile list (where the lengths differ) cut the cost of a launch whose CTAs all exit
     # from 29-40 µs to 9-13 (llama3_8b: 32 x 240 CTAs, 32 x 30 listed) and took the mixed
     # batch from 1.02-1.11x its parts to 1.00-1.05x with a 16-bit V; with INT8 V it took
@@ -254,7 +265,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256,
-                     tile_list=v16)
+                     own_tiles=own_tiles, tile_list=v16)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -263,7 +274,8 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
 def _as_cp(plan: GluonPlan) -> GluonPlan:
     """``plan`` on the "cp" pipeline, with its tiles and without what only "ws" has."""
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
-                               v_loader=False, sum_mma=False, lazy_max=False)
+                               v_loader=False, sum_mma=False, lazy_max=False,
+                               own_tiles=False)
 
 
 def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
@@ -365,7 +377,7 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
-    for flag in ("sum_mma", "lazy_max"):
+    for flag in ("sum_mma", "lazy_max", "own_tiles"):
         if getattr(plan, flag) and plan.pipeline != "ws":
             raise ValueError(f"plan: {flag} is for the 'ws' pipeline, not {plan.pipeline!r}")
     if plan.sum_mma and call.kind == "int8_kv":
