@@ -225,8 +225,7 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([4, 3, 1], dict(kind="float"), None, None),
     ([70, 64, 1], dict(kind="int8_kv"), None, "135 tokens in 3 sequences of up to 135"),
     ([256, 256], {}, 256, None),  # INT8 K at 128 from q_len 2
-    ([32], dict(head_dim=64), None, "queries of up to 32 tokens: it measured faster from 64 "
-                                    "(int8_k, head_dim 64)"),
+    ([32], dict(head_dim=64), None, None),  # INT8 K at 64 from q_len 2
     ([4, 4], dict(kind="float"), 4, None),
     ([2048], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
                                                       "triton_prefill measured as fast or "
@@ -237,12 +236,11 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([64], dict(kind="int8_kv", head_dim=256), None, None),
     ([4, 4], dict(kind="int8_kv", head_dim=256, num_q_heads=24), 4, None),  # from q_len 2
     ([4, 4], dict(head_dim=256, num_q_heads=24), 4, None),  # INT8 K at 256 from q_len 2
-    ([32], dict(kind="int8_kv"), None, "queries of up to 32 tokens: it measured faster from "
-                                       "64 (int8_kv, head_dim 128)"),
+    ([4, 4], dict(kind="int8_kv"), 4, None),  # INT8 K+V at 128 from q_len 2
     ([512], dict(kind="float", head_dim=256), None, None),
 ])
 def test_the_ops_choice_takes_it_where_it_measured_faster(gb, q_lens, spec, hint, why):
-    """FASTER_FROM by cache kind and head_dim; queries the sizes do not prove equally long
+    """FASTER by cache kind and head_dim; queries the sizes do not prove equally long
     only where its launches for them measured faster (UNEQUAL_FASTER)."""
     call = _int8k(q_lens, [100] * len(q_lens), **spec).call(max_query_len=hint)
     got = gb.defers(call)
@@ -306,6 +304,10 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     total = plan.maxnreg * 128 * (consumers + 1)
     need = 128 * (consumers * gb.CONSUMER_REGS + gb.PRODUCER_REGS)
     assert need <= total <= 65536 and plan.maxnreg % 8 == 0
+    for ctas in (2, 3) if block_m == 64 else ():  # each CTA within its share of the file
+        shared = gb.GluonPlan(block_m=64, ctas_per_sm=ctas)
+        assert gb.PRODUCER_REGS < shared.maxnreg <= plan.maxnreg
+        assert ctas * shared.maxnreg * 256 <= 65536 and shared.maxnreg % 8 == 0
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -321,6 +323,9 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="cp", sum_mma=True), "plan: sum_mma is for the 'ws' pipeline, not 'cp'"),
     (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
     (dict(pipeline="cp", own_tiles=True), "plan: own_tiles is for the 'ws' pipeline"),
+    (dict(ctas_per_sm=4), "plan: ctas_per_sm 4 not in (1, 2, 3)"),
+    (dict(block_m=128, ctas_per_sm=2), "plan: ctas_per_sm 2 is for the 'ws' pipeline's "
+                                       "64-row tiles"),
     (dict(sum_mma=True, kind="int8_kv"), "plan: sum_mma needs a 16-bit V cache"),
     (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
@@ -518,6 +523,44 @@ def test_consumers_that_stop_at_their_own_tiles_change_nothing(gb, kind, kv_ring
     assert torch.equal(outs[0], outs[1])  # (NaN-filled first: every row written)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(outs[1], case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_two_ctas_per_sm_match_the_reference(gb, kind, head_dim):
+    """Short queries' one-warpgroup tiles at half the register file (ctas_per_sm 2), in
+    every cache kind: the default plan (SHORT_INT8_TILES with an INT8 K cache) and two and
+    three buffers of 64 keys."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([4, 2, 4, 1, 3], [1000, 0, 37, 5, 300], device="cuda", seed=9, kind=kind,
+                  head_dim=head_dim)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    want = case.reference()
+    call = case.call(**hints)
+    plans = [gb.default_plan(call)] + [gb.make_plan(call, block_n=64, stages=stages,
+                                                    ctas_per_sm=2) for stages in (2, 3)]
+    for plan in plans:
+        assert plan.block_m == 64
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_short_int8_tiles_take_two_ctas_per_sm(gb, kind, head_dim):
+    """A q_len 4 call's default plan: with an INT8 K cache at head_dim 64 and 128 (one
+    warpgroup of 64 rows) SHORT_INT8_TILES' tiles at two CTAs per SM; 16-bit K/V and head_dim
+    256 (128 rows) keep one."""
+    call = _int8k([4, 4], [100, 100], kind=kind, head_dim=head_dim).call(max_query_len=4)
+    plan = gb.default_plan(call)
+    short = gb.SHORT_INT8_TILES.get((call.kind, head_dim))
+    assert (plan.block_m == 64) == (head_dim <= gb.MAX_HEAD_DIM_64_ROWS)
+    assert plan.ctas_per_sm == (2 if short else 1)
+    if short:
+        assert (plan.block_n, plan.stages) == short and plan.maxnreg == 128
 
 
 def _keys_scaled_per_page(case, top: float, seed: int):

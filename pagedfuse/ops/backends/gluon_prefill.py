@@ -12,17 +12,16 @@ size and strides; INT8 K with a 16-bit V at head_dim 128 only). A call whose pag
 cannot load and "cp" does not cover is declined with the TMA reason.
 
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
-measured faster (``defers``, ``FASTER_FROM``, whose comment has the H200's numbers): 16-bit
-K/V from q_len 2, INT8 K from q_len 2 at head_dim 128 and 256 and from 64 at 64, INT8 K+V
-from 2 at 256 and from 64 at 128; triton_prefill keeps the rest. Those runs had every
-sequence's query of one length. The grid sizes its tiles by the longest query
-(``default_plan``); where the sizes do not prove the lengths equal (num_tokens = batch x
-max_query_len, or one sequence: no length is read), the sequences short enough for the
-packed tile of one-token queries get a launch of their own (``default_plans``), as
-triton_prefill's do, and the main launch runs over a list of the tiles that have rows
-(``tile_grid``). The op's choice takes such a batch only where those launches measured as
-fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at head_dim 128 and 256); elsewhere a batch
-of queries that may differ stays with triton_prefill.
+measured faster (``defers``, ``FASTER``, whose comment has the H200's numbers): 16-bit K/V
+and INT8 K at every head_dim, INT8 K+V at head_dim 128 and 256; triton_prefill keeps INT8
+K+V at 64. Those runs had every sequence's query of one length. The grid sizes its tiles by
+the longest query (``default_plan``); where the sizes do not prove the lengths equal
+(num_tokens = batch x max_query_len, or one sequence: no length is read), the sequences
+short enough for the packed tile of one-token queries get a launch of their own
+(``default_plans``), as triton_prefill's do, and the main launch runs over a list of the
+tiles that have rows (``tile_grid``). The op's choice takes such a batch only where those
+launches measured as fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at head_dim 128 and
+256); elsewhere a batch of queries that may differ stays with triton_prefill.
 PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
@@ -84,33 +83,41 @@ WS_TILES = {
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-# The shortest query from which "ws" measured faster than triton_prefill on the H200, by
-# (call.kind, head_dim), with WS_TILES' tiles, timed by CUDA graph replays (bench_prefill.py,
-# record prefill_h200_2026-12-02_with_widening_partition_peers_v_loader_sums_lazy_maxima_
-# graph_timed.json, q_len 4, 64, 512, 2048 and 8192); a kind and head_dim not listed stays
-# with triton_prefill. 16-bit K/V from q_len 2 at every head_dim: 0.54-0.83x its time at
-# head_dim 128 and 256, 0.73-0.91x at 64. INT8 K from 2 at 128 and 256: 0.60-0.78x from q_len
-# 64 up, and at 4 0.74x at 256 and even at 128 (0.99x); at 64 from q_len 64: 0.87-0.97x but
-# 1.07x on eight 2K prompts, and 1.04x at q_len 4. INT8 K+V at 128 and 256 from 64: 0.62-0.85x,
-# at q_len 4 1.01-1.15x; at 64 it was slower everywhere (1.02-1.22x). (The earlier
-# thresholds, 512 at head_dim 64 and for INT8 K at 128, came from plain calls, where an eager
-# Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms.) Since consumers stop
-# at their own tiles (GluonPlan.own_tiles), INT8 K+V at 256 takes 0.84x at q_len 4 too (0.370
-# against 0.441 ms: a 24-row tile's second consumer stops after one key tile), and 0.60-0.75x
-# from q_len 64 up (prefill_h200_2026-12-03_own_tiles.json)
-FASTER_FROM = {("float", 64): 2, ("float", 128): 2, ("float", 256): 2,
-               ("int8_k", 64): 64, ("int8_k", 128): 2, ("int8_k", 256): 2,
-               ("int8_kv", 128): 64, ("int8_kv", 256): 2}
+REGISTER_FILE = 65536  # 32-bit registers per SM on sm_90
+CTAS_PER_SM = (1, 2, 3)
+# (call.kind, head_dim) where "ws" measured faster than triton_prefill on the H200 at every
+# q_len timed (4, 64, 512, 2048, 8192; CUDA graph replays: bench_prefill.py, record
+# prefill_h200_2026-12-03_own_tiles.json, and for short queries' tiles at two CTAs per SM
+# probes_h200_2026-12-03_ctas_per_sm.json): 16-bit K/V 0.53-0.81x its time at head_dim 128
+# and 256, 0.74-0.93x at 64; INT8 K 0.59-0.76x at 128 and 256 (at q_len 4 with
+# SHORT_INT8_TILES 0.97x at 128), at 64 0.83-0.96x but 1.06x on eight 2K prompts; INT8 K+V
+# 0.60-0.84x at 128 and 256 (q_len 4 at 128: 0.91x). Not INT8 K+V at 64: 0.76x at q_len 4
+# but 1.02-1.24x from 64 up. Those runs had every sequence's query of one length. (Thresholds
+# by q_len, taken from plain calls where an eager Gluon call's 0.26 ms of host time hid the
+# kernels under about 0.4 ms, once kept short queries on triton_prefill.)
+FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 64),
+                    ("int8_k", 128), ("int8_k", 256), ("int8_kv", 128), ("int8_kv", 256)})
 # (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
 # the short ones, then the main one over its tile list: default_plans, tile_grid) measured
 # at least as fast as triton_prefill's at q_len 4, B=64, L=8192 without length hints on the
 # H200, the case least in their favour (every query short: long ones gain more, see
-# FASTER_FROM), by CUDA graph replays in two runs (probes_h200_2026-12-02_tile_list.json):
+# FASTER), by CUDA graph replays in two runs (probes_h200_2026-12-02_tile_list.json):
 # 16-bit K/V 0.78x at head_dim 256, 0.82x at 128, 0.90x at 64; INT8 K
 # 0.75x at 256 and even at 128 (0.997x and 1.009x). Not INT8 K at 64 (1.06x) nor INT8 K+V
 # (1.02-1.04x at 128 over the list, 1.05x without it; 1.22-1.24x at 256)
 UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 128),
                             ("int8_k", 256)})
+# Short queries' one-warpgroup tiles (a GQA group's heads x up to 64 // group tokens) with an
+# INT8 K cache: keys per tile and buffers, by (call.kind, head_dim), at two CTAs per SM
+# (ctas_per_sm 2: 128 registers, no spill). At q_len 4, B=64, L=8192 on the H200, interleaved
+# against the one-CTA default (128 x 3-4): INT8 K 0.93x the time at head_dim 128 (0.418 ms,
+# 90% of the K/V byte floor) and 0.80x at 64; INT8 K+V 0.88x at 128 (0.409) and 0.69x at 64
+# (128 x 2: 0.137 ms; 64 x 3 0.75x). With 16-bit K/V it gained nothing (0.99-1.00x at best,
+# the one-CTA tiles at 98% and 82% of the floor already); three CTAs (80 registers) ran out
+# of registers at head_dim 128 and gained nothing at 64
+# (benchmarks/results/probes_h200_2026-12-03_ctas_per_sm.json)
+SHORT_INT8_TILES = {("int8_k", 64): (64, 3), ("int8_k", 128): (64, 3),
+                    ("int8_kv", 64): (128, 2), ("int8_kv", 128): (64, 3)}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -132,7 +139,9 @@ class GluonPlan:
     the diagonal, consumer 0's rows end a tile of 64 keys before consumer 1's), whether the
     grid may run over a list of the tiles that have rows where the sequences' lengths differ
     (``tile_list``, see ``tile_grid``), and the query lengths the launch serves (``min_q``
-    to ``max_q``, 0: no upper bound; another launch takes the rest)."""
+    to ``max_q``, 0: no upper bound; another launch takes the rest), and the CTAs an SM
+    holds at once by their registers (``ctas_per_sm``: 2 or 3 cap a one-warpgroup tile's at
+    that share of the register file, so that short queries' tiles share an SM)."""
 
     block_m: int = 128
     pack: int = 1
@@ -148,6 +157,7 @@ class GluonPlan:
     tile_list: bool = True
     min_q: int = 0
     max_q: int = 0
+    ctas_per_sm: int = 1
 
     @property
     def tokens(self) -> int:
@@ -163,9 +173,11 @@ class GluonPlan:
     def maxnreg(self) -> int:
         """"ws": the launch's registers per thread, so that the partitions' setmaxnreg
         (consumers CONSUMER_REGS, the producer's warpgroup PRODUCER_REGS) fit the CTA's
-        share of the register file; consumer 0 gets what the others leave."""
+        share of the register file (``ctas_per_sm`` of them); consumer 0 gets what the others
+        leave."""
         groups = self.block_m // 64 + 1
-        return ((self.block_m // 64) * CONSUMER_REGS + PRODUCER_REGS) // groups // 8 * 8
+        share = ((self.block_m // 64) * CONSUMER_REGS + PRODUCER_REGS) // groups // 8 * 8
+        return min(share, REGISTER_FILE // (self.ctas_per_sm * 128 * groups) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,10 +274,13 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # llama3_8b's to 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its
     # real entries taking 0.425 ms against 0.353 alone (not located: their loops compile
     # alike), and 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
+    ctas_per_sm = 1
+    if one_group and (short := SHORT_INT8_TILES.get((call.kind, call.geometry.head_dim))):
+        (block_n, stages), ctas_per_sm = short, 2
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256,
-                     own_tiles=own_tiles, tile_list=v16)
+                     own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -275,7 +290,7 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
     """``plan`` on the "cp" pipeline, with its tiles and without what only "ws" has."""
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                v_loader=False, sum_mma=False, lazy_max=False,
-                               own_tiles=False)
+                               own_tiles=False, ctas_per_sm=1)
 
 
 def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
@@ -389,6 +404,12 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.v_loader and not plan.kv_rings:
         raise ValueError("plan: v_loader needs kv_rings (without them one barrier pair "
                          "serves K and V, which one warp loads)")
+    if plan.ctas_per_sm not in CTAS_PER_SM:
+        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} not in {CTAS_PER_SM}")
+    if plan.ctas_per_sm > 1 and (plan.pipeline, plan.block_m) != ("ws", 64):
+        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} is for the 'ws' pipeline's "
+                         "64-row tiles (two consumers' accumulators do not fit a quarter of "
+                         "the register file)")
     if plan.min_q < 0 or plan.max_q < 0:
         raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
                          "no bound)")
@@ -434,18 +455,13 @@ def supports(call: PagedCall) -> str | None:
 
 
 def slower(call: PagedCall) -> str | None:
-    """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind,
-    head_dim and longest query (FASTER_FROM), or None."""
+    """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind and
+    head_dim (FASTER), or None."""
     g, kind = call.geometry, call.kind
-    shortest = FASTER_FROM.get((kind, g.head_dim))
-    if shortest is None:
+    if (kind, g.head_dim) not in FASTER:
         return f"{kind} at head_dim {g.head_dim}: triton_prefill measured as fast or faster"
-    bound = call.query_bound
-    if not all(isinstance(n, int) for n in (bound, g.num_tokens, g.batch)):
+    if not all(isinstance(n, int) for n in (call.query_bound, g.num_tokens, g.batch)):
         return "query sizes are dynamic: equal query lengths cannot be shown"
-    if bound < shortest:
-        return (f"queries of up to {bound} tokens: it measured faster from {shortest} "
-                f"({kind}, head_dim {g.head_dim})")
     return None
 
 
