@@ -84,7 +84,7 @@ WS_TILES = {
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 REGISTER_FILE = 65536  # 32-bit registers per SM on sm_90
-CTAS_PER_SM = (1, 2, 3)
+CTAS_PER_SM = (1, 2)  # three (80 registers) did not compile with INT8 V at head_dim 128
 # (call.kind, head_dim) where "ws" measured faster than triton_prefill on the H200 at every
 # q_len timed (4, 64, 512, 2048, 8192; CUDA graph replays: bench_prefill.py, record
 # prefill_h200_2026-12-03_own_tiles.json, and for short queries' tiles at two CTAs per SM
@@ -140,8 +140,8 @@ class GluonPlan:
     grid may run over a list of the tiles that have rows where the sequences' lengths differ
     (``tile_list``, see ``tile_grid``), and the query lengths the launch serves (``min_q``
     to ``max_q``, 0: no upper bound; another launch takes the rest), and the CTAs an SM
-    holds at once by their registers (``ctas_per_sm``: 2 or 3 cap a one-warpgroup tile's at
-    that share of the register file, so that short queries' tiles share an SM)."""
+    holds at once by their registers (``ctas_per_sm``: 2 caps a one-warpgroup tile's at half
+    the register file, so that two short queries' tiles share an SM)."""
 
     block_m: int = 128
     pack: int = 1
