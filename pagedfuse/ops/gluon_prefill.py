@@ -24,7 +24,10 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   and then runs tile j+1's softmax while P·V is still on the tensor cores (FA3's
   intra-warpgroup overlap); two consumers take turns issuing (two ``turn`` mbarriers: FA3's
   ping-pong), so one's softmax runs while the other's wgmma do. A consumer releases a
-  buffer (``empty``) once its P·V on it is done. With INT8 V a widener partition (two warps
+  buffer (``empty``) once its P·V on it is done. With ``OWN_TILES`` (``GluonPlan.own_tiles``)
+  a consumer stops at the last key tile its own rows read (below the diagonal consumer 0's
+  end a 64-key tile earlier; rows past the query read none) and releases the later buffers
+  unread, passing its turns on. With INT8 V a widener partition (two warps
   beside the producer, in the warpgroup the producer's registers take anyway) widens each
   tile's V into one of two fp16 copies the consumers share (below), which their P·V reads;
   an int8 buffer goes back once the consumers read its scales and the widener its V, a copy
