@@ -540,32 +540,41 @@ def run_sweep(args) -> list[dict]:
     return rows
 
 
+def gluon_sweep_plans(call) -> list[dict]:
+    """The GluonPlan overrides --gluon-sweep times for ``call``: keys per tile x buffers x K/V
+    rings (without, with, with a V loader: WS_TILES' choices); for a one-warpgroup tile (a
+    short query's) keys x buffers at one and two CTAs per SM (SHORT_INT8_TILES' choices)."""
+    from pagedfuse.ops.backends import gluon_prefill as gb
+
+    if gb.default_plan(call).block_m == 64:
+        return [dict(block_n=n, stages=st, ctas_per_sm=c) for n, st, c in itertools.product(
+            gb.BLOCK_NS, range(2, 5), gb.CTAS_PER_SM)]
+    return [dict(block_n=n, stages=st, kv_rings=rings, v_loader=loader)
+            for n, st, (rings, loader) in itertools.product(
+                gb.BLOCK_NS, range(2, 6), ((False, False), (True, False), (True, True)))]
+
+
 def run_gluon_sweep(args) -> list[dict]:
-    """Time the Gluon "ws" kernel's keys per tile x buffers x K/V rings (without, with, with
-    a V loader: the choices behind backends/gluon_prefill.WS_TILES) per geometry and cache
-    kind; a plan whose buffers exceed the shared memory records the compiler's error."""
+    """Time gluon_sweep_plans per geometry and cache kind on GLUON_SWEEP_CASES and
+    SHORT_CASE; a plan whose buffers exceed the shared memory records the compiler's error."""
     from pagedfuse.ops.backends import gluon_prefill as gb
     from pagedfuse.ops.gluon_prefill import prefill_into
 
     rows = []
     deadline = time.time() + args.budget
     for gname in args.geometries:
-        for batch, seq_len, q_len in GLUON_SWEEP_CASES:
+        for batch, seq_len, q_len in (*GLUON_SWEEP_CASES, SHORT_CASE):
             case = Case(GEOMETRIES[gname], batch, seq_len, q_len, light=True)
             out = torch.empty_like(case.q)
             for kind in args.kinds:
                 call = case.call(kind)
-                for block_n, stages, (kv_rings, v_loader) in itertools.product(
-                        gb.BLOCK_NS, range(2, 6), ((False, False), (True, False), (True, True))):
+                for overrides in gluon_sweep_plans(call):
                     if time.time() > deadline:
                         break
                     row = {"geometry": gname, "geo": list(case.geo), "batch": batch,
-                           "seq_len": seq_len, "q_len": q_len, "kind": kind,
-                           "block_n": block_n, "stages": stages, "kv_rings": kv_rings,
-                           "v_loader": v_loader}
+                           "seq_len": seq_len, "q_len": q_len, "kind": kind, **overrides}
                     try:
-                        plan = gb.make_plan(call, block_n=block_n, stages=stages,
-                                            kv_rings=kv_rings, v_loader=v_loader)
+                        plan = gb.make_plan(call, **overrides)
                         row["ms"] = bench_ms(lambda p=plan, c=call, o=out: prefill_into(c, o, p))
                         row["tflops"] = case.flops() / (row["ms"] * 1e-3) / 1e12
                     except Exception as exc:  # no such plan, or out of shared memory

@@ -205,7 +205,8 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
             key = (r["geometry"], f"{r['batch']}, {r['seq_len']}, {r['q_len']}", r["kind"])
             rings = (" rings + V loader" if r.get("v_loader") else " rings"
                      if r.get("kv_rings") else "")
-            cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}{rings}"] = r["ms"]
+            ctas = f" x{r['ctas_per_sm']} CTAs" if r.get("ctas_per_sm", 1) > 1 else ""
+            cells.setdefault(key, {})[f"{r['block_n']} / {r['stages']}{rings}{ctas}"] = r["ms"]
     rows = []
     for key, times in cells.items():
         best = min(times, key=times.get)
@@ -213,9 +214,10 @@ def gluon_tiles(record: dict) -> tuple[str, str]:
                                      for t, ms in times.items())])
     note = (f"{_timing(env)}, the query's quantization included, by keys per "
             "tile / buffers (\"rings\": K and V buffers released apart; \"V loader\": V "
-            "loaded by a warp of its own); "
-            "backends/gluon_prefill.py's WS_TILES takes the fastest per cache kind and "
-            "head_dim.")
+            "loaded by a warp of its own; \"x2 CTAs\": a short query's one-warpgroup tile at "
+            "two CTAs per SM); backends/gluon_prefill.py's WS_TILES takes the fastest per "
+            "cache kind and head_dim, SHORT_INT8_TILES the fastest short tiles with an INT8 K "
+            "cache.")
     return ran_on, note + "\n\n" + table(["geometry", "B, L, q", "kind", "keys / buffers: ms"],
                                           rows)
 

@@ -115,7 +115,8 @@ UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int
 # (128 x 2: 0.137 ms; 64 x 3 0.75x). With 16-bit K/V it gained nothing (0.99-1.00x at best,
 # the one-CTA tiles at 98% and 82% of the floor already); three CTAs (80 registers) ran out
 # of registers at head_dim 128 and gained nothing at 64
-# (benchmarks/results/probes_h200_2026-12-03_ctas_per_sm.json)
+# (benchmarks/results/probes_h200_2026-12-03_ctas_per_sm.json; bench_prefill.py --gluon-sweep
+# times these choices at its short case)
 SHORT_INT8_TILES = {("int8_k", 64): (64, 3), ("int8_k", 128): (64, 3),
                     ("int8_kv", 64): (128, 2), ("int8_kv", 128): (64, 3)}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
