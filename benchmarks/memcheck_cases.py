@@ -1,10 +1,11 @@
 """One small call of each kernel (float direct + split/combine, INT8 K, INT8 K+V in Triton; the
 CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the split-KV and the
 prefill kernels, quantize, out-of-range block ids; window_left and softcap in the CUDA C++
-decode's split and balanced grids and in the split-KV kernel; on sm_90 the Gluon prefill
+decode's split and balanced grids and in the split-KV kernel; short queries (2-8 tokens) in
+the CUDA C++ decode's column tiles and groups; on sm_90 the Gluon prefill
 kernel's pipelines, cache kinds and launches, and mixed_batch) for compute-sanitizer.
-`memcheck_cases.py window` (or `gluon`) runs the window_left / softcap cases (or the Gluon
-kernel's and mixed_batch's) alone."""
+`memcheck_cases.py window` (or `gluon`, `short`) runs the window_left / softcap cases (or the
+Gluon kernel's and mixed_batch's, the short queries') alone."""
 import sys
 from pathlib import Path
 
@@ -51,6 +52,13 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
            dict(backend="cuda_decode", max_query_len=1,  # the balanced grid, its merges
                 splits=cuda_decode.BALANCED))
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
+# Short queries on the CUDA decode: four n-tiles in two column groups (INT8 K+V at head_dim
+# 64), two n-tiles (INT8 K+V at 128), three column groups of one (16-bit at 256), histories
+# of 0 and 1 key.
+short_cases = [(dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=hq,
+                     num_kv_heads=4, head_dim=d, kind=kind, causal=True),
+                dict(backend="cuda_decode", max_query_len=7, splits=2))
+               for hq, d, kind in ((32, 64, "int8_kv"), (16, 128, "int8_kv"), (24, 256, "float"))]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim; K and V rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16
@@ -87,11 +95,15 @@ window_cases = [
     for d, kind, cap, splits in ((128, "int8_kv", None, 3), (64, "int8_k", 30.0, 1),
                                  (256, "float", 30.0, cuda_decode.BALANCED),
                                  (128, "int8_kv", 30.0, cuda_decode.BALANCED))]
+window_cases += [(dict(seq_lens=(300, 45, 9), q_lens=(5, 1, 8), num_q_heads=32, num_kv_heads=4,
+                       head_dim=64, kind="int8_k", causal=True, window_left=20, softcap=30.0),
+                  dict(backend="cuda_decode", max_query_len=8, splits=3))]
 window_cases += [(dict(seq_lens=(300, 45, 70), q_lens=(5, 1, 3), head_dim=128, kind=kind,
                        causal=True, window_left=16, softcap=30.0),
                   dict(backend="triton", splits=2)) for kind in ("float", "int8_kv")]
-groups = {"window": window_cases, "gluon": gluon_cases}
-cases = groups[sys.argv[1]] if sys.argv[1:] else cases + gluon_cases + window_cases
+groups = {"window": window_cases, "gluon": gluon_cases, "short": short_cases}
+cases = groups[sys.argv[1]] if sys.argv[1:] else (cases + short_cases + gluon_cases +
+                                                  window_cases)
 for spec, kw in cases:
     case = gpu_case(**spec)
     case.block_table[0, 0] = 10**6  # clamped inside the kernel, never read out of bounds

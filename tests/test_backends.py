@@ -109,19 +109,25 @@ def test_support_report_for_cuda_from_fake_tensors():
         hinted = backends.support_report(FLOAT_OP, query, cache, cache, table, lens, starts,
                                          max_query_len=1)
         unhinted = backends.support_report(FLOAT_OP, query, cache, cache, table, lens, starts)
+        longer = backends.support_report(FLOAT_OP, query.repeat(3, 1, 1), cache, cache, table,
+                                         lens, starts)
         odd = backends.support_report(FLOAT_OP, narrow, narrow_cache, narrow_cache, table, lens,
                                       starts, max_query_len=1)
     asked = [n for n in hinted.reasons if n != "cudnn_prefill"]  # where cuDNN's is installed
     assert asked == ["cuda_decode", "mixed_batch", "gluon_prefill", "triton_prefill", "triton"]
-    assert unhinted.reasons["cuda_decode"] == "more than one query token per sequence"
+    assert longer.reasons["cuda_decode"] == "more than 8 query tokens per sequence"
     assert hinted.reasons["mixed_batch"].startswith("no one-token query can sit beside")
     if torch.cuda.is_available():
-        # 4 tokens in 4 sequences, no hint: they may all be decode rows, which the mixed
-        # batch gives to the CUDA decode
+        # 4 tokens in 4 sequences, no hint: up to 4 query tokens x 4 heads each, two column
+        # groups of the CUDA decode; they may all be decode rows, which the mixed batch gives
+        # to the CUDA decode
         assert hinted.chosen == "cuda_decode" and unhinted.chosen == "mixed_batch"
+        assert unhinted.reasons["cuda_decode"].startswith(
+            "defers: 4 query tokens x 4 query heads take 2 column groups")
         if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon kernel runs
-            assert unhinted.reasons["gluon_prefill"].startswith(
-                "defers: 4 tokens in 4 sequences of up to 4: the query lengths may differ")
+            # it takes queries that may differ with 16-bit K/V (UNEQUAL_FASTER), after
+            # mixed_batch (priority 170 against 160)
+            assert unhinted.reasons["gluon_prefill"] is None
     else:
         assert hinted.chosen == unhinted.chosen == "triton"
         assert unhinted.reasons["gluon_prefill"] == unhinted.reasons["triton_prefill"] == NO_CUDA

@@ -294,17 +294,94 @@ def test_native_decode_is_built_and_chosen(monkeypatch):
     assert why(kind="int8_kv") is None
     assert why(kind="int8_k") is None  # INT8 K + bf16 V
     assert why() is None  # bf16 K and V
-    assert why(4, kind="int8_kv") == "more than one query token per sequence"
+    assert why(9, kind="int8_kv") == "more than 8 query tokens per sequence"
     assert why(bias="float", bias_shape="3d") == "attn_bias"
     assert why(dtype=f32) == "query dtype torch.float32 (bfloat16 or float16 only)"
     assert why(num_q_heads=32, num_kv_heads=2) == "16 query heads per KV head (at most 8)"
     assert why(head_dim=96) == "head_dim 96 not in {64, 128, 256}"
-    case = gpu_case(seq_lens=(5, 7), q_lens=(2, 1), kind="int8_kv")
+    case = gpu_case(seq_lens=(50, 70), q_lens=(20, 1), kind="int8_kv")
     assert choose(case.call()).name == "triton_prefill"
     monkeypatch.setenv("PAGEDFUSE_BACKEND", "cuda_decode")
-    with pytest.raises(ValueError, match="cuda_decode cannot run this call: more than one "
-                                         "query token"):
+    with pytest.raises(ValueError, match="cuda_decode cannot run this call: more than 8 "
+                                         "query tokens per sequence"):
         case.run_op()
+
+
+# Short queries on the CUDA C++ decode: 2 to 8 query tokens per sequence as the MMAs'
+# columns (cuda_native.Columns), varlen with one-token sequences among them, histories of 0,
+# 1 and ~1000 keys past the query, every head_dim, GQA 1/4/6/8, pages 1/16/256, a window
+# and a soft cap, bottom-right causal and not causal. Each runs with the plan's columns (one
+# n-tile where they fit, else two or column groups) and with one n-tile per warp and as many
+# column groups as that takes, each over 1 and 3 splits.
+SHORT_CASES = {
+    "d128-gqa4-q4": dict(seq_lens=(1004, 5, 4, 70), q_lens=(4, 4, 4, 1), num_q_heads=32,
+                         num_kv_heads=8, head_dim=128),
+    "d64-gqa8-page1-varlen": dict(seq_lens=(8, 3, 1001, 40), q_lens=(8, 2, 5, 1),
+                                  num_q_heads=32, num_kv_heads=4, block_size=1),
+    "d256-gqa6-hnd": dict(seq_lens=(1003, 9), q_lens=(3, 4), num_q_heads=24, num_kv_heads=4,
+                          head_dim=256, layout="HND"),
+    "d128-gqa1-page256-fp16": dict(seq_lens=(520, 2), q_lens=(8, 2), num_q_heads=4,
+                                   num_kv_heads=4, head_dim=128, block_size=256, dtype=f16),
+    "d64-gqa4-window-softcap": dict(seq_lens=(300, 61, 7), q_lens=(6, 3, 7), num_q_heads=16,
+                                    num_kv_heads=4, window_left=40, softcap=30.0),
+    "d128-gqa4-not-causal": dict(seq_lens=(500, 6), q_lens=(4, 3), num_q_heads=16,
+                                 num_kv_heads=4, head_dim=128, causal=False),
+}
+
+
+def _one_tile_columns(call) -> cuda_native.Columns:
+    """One n-tile per warp, and a column group per 8 columns."""
+    return cuda_native.columns_for(call.query_bound, call.geometry.group, 1)
+
+
+@pytest.mark.parametrize("kind", list(NATIVE_KINDS))
+@pytest.mark.parametrize("name", list(SHORT_CASES))
+def test_native_decode_serves_short_queries(name, kind):
+    case = gpu_case(**{"causal": True, **SHORT_CASES[name]}, kind=NATIVE_KINDS[kind])
+    ref = case.reference()
+    call = case.call(case.longest, case.longest_query)
+    plan = cuda_decode.make_plan(call)
+    assert plan.columns.max_query == case.longest_query
+    tiled = {plan.columns, _one_tile_columns(call)}
+    for columns in tiled:
+        for splits in (1, 3):
+            out = run(case, "cuda_decode", case.longest, case.longest_query, splits=splits,
+                      columns=columns)
+            assert numerics.rel_err(out, ref) < tol(case), (columns, splits)
+
+
+def test_short_queries_take_the_columns_built():
+    """tinyllama's group of 8: q_len 2 in two n-tiles, which the op takes, q_len 4 in two
+    groups of two, which it leaves to the prefill kernels; qwen35's 6 at 256: 24 columns in
+    three column groups of one n-tile."""
+    device = torch.device("cuda")
+    assert cuda_native.decode_variant(device, "int8_kv", 64).max_column_tiles == 2
+    assert cuda_native.decode_variant(device, "half", 256).max_column_tiles == 1
+    for q_len, columns, taken in ((2, (2, 2, 1), True), (4, (4, 2, 2), False)):
+        tiny = gpu_case(seq_lens=(90,) * 2, q_lens=(q_len,) * 2, num_q_heads=32,
+                        num_kv_heads=4, causal=True, kind="int8_kv").call(max_query_len=q_len)
+        assert cuda_decode.make_plan(tiny).columns == cuda_native.Columns(*columns)
+        assert (choose(tiny).name == "cuda_decode") is taken
+    qwen = gpu_case(seq_lens=(90,) * 2, q_lens=(4, 4), num_q_heads=24, num_kv_heads=4,
+                    head_dim=256, causal=True).call(max_query_len=4)
+    assert cuda_decode.make_plan(qwen).columns == cuda_native.Columns(4, 1, 3)
+    assert cuda_decode.defers(qwen).startswith("4 query tokens x 6 query heads take 3 column")
+
+
+def test_short_queries_replay_in_a_cuda_graph():
+    """The op's own choice (two n-tiles, one group): 100 replays equal the eager call, and a
+    new query is seen."""
+    case = gpu_case(seq_lens=(2000, 300, 17), q_lens=(2, 2, 2), num_q_heads=32,
+                    num_kv_heads=4, causal=True, kind="int8_kv")
+    assert choose(case.call(max_query_len=2)).name == "cuda_decode"
+    eager = case.run_op(max_query_len=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = case.run_op(max_query_len=2)
+    assert all(torch.equal(o, eager) for o in replayed(graph, captured, 100))
+    case.query.copy_(torch.randn_like(case.query))
+    graph.replay()
+    assert numerics.rel_err(captured, case.reference()) < tol(case)
 
 
 def _record_launches(monkeypatch, what) -> list:

@@ -139,3 +139,36 @@ def test_kernel_into_refuses_a_balanced_grid_it_cannot_count(batch, counters, ct
     if not error.startswith("counters"):  # the fused launch takes its counts itself
         with pytest.raises(ValueError, match=error):
             cuda_native.decode_into(call, query, 0, 1, ctas=ctas)
+
+
+@pytest.mark.parametrize(("max_query", "group", "max_tiles", "columns"), [
+    (1, 4, 4, (1, 1, 1)),  # one token: its heads in one n-tile
+    (2, 4, 1, (2, 1, 1)),  # llama3_8b's q_len 2: 8 columns
+    (4, 4, 2, (4, 2, 1)),  # llama3_8b's q_len 4 where two n-tiles are built
+    (4, 4, 1, (4, 1, 2)),  # ... where one is: two column groups
+    (2, 8, 2, (2, 2, 1)),  # tinyllama's q_len 2: 16 columns
+    (3, 8, 2, (3, 2, 2)),  # 24 columns: two groups of two n-tiles
+    (3, 5, 4, (3, 2, 1)),  # 15 columns: two n-tiles (more than built is never asked for)
+    (4, 6, 1, (4, 1, 3)),  # qwen35 at head_dim 256
+    (8, 8, 2, (8, 2, 4)),  # 64 columns: the most
+])
+def test_columns_hold_every_query_row(max_query, group, max_tiles, columns):
+    got = cuda_native.columns_for(max_query, group, max_tiles)
+    assert got == cuda_native.Columns(*columns)
+    assert got.groups * got.tiles * cuda_native.COLUMNS >= max_query * group
+
+
+@pytest.mark.parametrize(("columns", "heads", "ctas", "error"), [
+    ((4, 1, 1), 1, 0, "the groups' columns must hold max_query x 4 query heads"),
+    ((2, 3, 1), 1, 0, "n-tiles must be one of"),
+    ((9, 4, 2), 1, 0, "max_query 1 to 8"),
+    ((4, 2, 1), 2, 0, "the short-query kernels run one KV head per CTA"),
+    ((2, 0, 1), 1, 0, r"the one-token kernel \(tiles 0\) serves one query token"),
+    ((2, 1, 1), 1, 132, "the balanced grid serves one query token per sequence"),
+])
+def test_decode_into_names_bad_columns(columns, heads, ctas, error):
+    """Checked before the library is asked, so on any machine (8 query heads, 2 KV heads)."""
+    call = _call(hq=8, hkv=2)
+    with pytest.raises(ValueError, match=error):
+        cuda_native.decode_into(call, call.query, 1, heads, ctas=ctas,
+                                columns=cuda_native.Columns(*columns))

@@ -230,6 +230,8 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([2048], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
                                                       "triton_prefill measured as fast or "
                                                       "faster"),
+    ([8, 8], dict(kind="int8_kv", head_dim=64), 8, None),  # ... but for short queries
+    ([9, 9], dict(kind="int8_kv", head_dim=64), 9, "int8_kv at head_dim 64: triton_prefill"),
     ([512], dict(head_dim=64), None, None),
     ([2], dict(kind="float", head_dim=64), None, None),
     ([512], dict(kind="float", head_dim=64), None, None),

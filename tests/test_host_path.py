@@ -311,7 +311,8 @@ def decode_backend(monkeypatch):
     from pagedfuse.ops import cuda
 
     monkeypatch.setattr(cuda_native, "decode_variant",
-                        lambda device, kind, head_dim: cuda_native.Variant(2, 4, 16, 4, 2))
+                        lambda device, kind, head_dim, column_tiles=0: cuda_native.Variant(
+                            2, 4, 16, 4 if column_tiles == 0 else 1, 2, 4))
     monkeypatch.setattr(cuda, "pdl_capable", lambda device: True)
     return cuda_decode
 
@@ -644,3 +645,20 @@ def test_a_signature_cache_starts_over_when_full():
     assert dict(cache) == {0: "0", 1: "1", 2: "2"} and cache.get(1) == "1"
     assert cache.put(3, "3") == "3"
     assert dict(cache) == {3: "3"} and cache.get(0) is None
+
+
+def test_short_queries_launch_their_columns(decode_backend, recorder, monkeypatch):
+    """Four query tokens per sequence (GQA 4: 16 columns) take two n-tiles of one KV head
+    per CTA on the split grid, even with PAGEDFUSE_BALANCED on, and the record says so."""
+    monkeypatch.setenv("PAGEDFUSE_BALANCED", "1")
+    c = _call("int8_kv", query=torch.randn(12, 8, 64).to(torch.bfloat16))
+    starts = torch.arange(0, 13, 4, dtype=torch.int32)
+    call = build_call(c.op, c.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale,
+                      c.block_table, c.seq_lens, starts, c.scale, True, None, None, 4)
+    plan = decode_backend.make_plan(call)
+    assert plan.columns == cuda_native.Columns(4, 2, 1)
+    assert plan.config.heads == 1 and plan.ctas == 0 and plan.splits >= 1
+    decode_backend.run(call, torch.empty_like(call.query))
+    record = recorder.launches[-1][0]
+    assert (record.max_query, record.column_tiles, record.column_groups, record.causal,
+            record.heads) == (4, 2, 1, 1, 1)

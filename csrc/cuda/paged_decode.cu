@@ -1,6 +1,7 @@
 // Paged decode on the tensor cores (sm_80+, tuned on sm_90): the CUDA C++ path of
-// torch.ops.pagedfuse.paged_attention and paged_attention_int8 for q_len = 1 (see
-// pagedfuse/ops/cuda.py for when it is chosen; every other case runs the Triton kernel).
+// torch.ops.pagedfuse.paged_attention and paged_attention_int8 for q_len = 1, and for short
+// queries of up to 8 tokens (kMaxColumnTiles; pagedfuse/ops/backends/cuda_decode.py says
+// when it is chosen; every other case runs a prefill kernel).
 // One kernel serves three caches (Kind): INT8 K and V, INT8 K with 16-bit V, and 16-bit K
 // and V (bf16 or fp16, the query's dtype).
 //
@@ -24,8 +25,9 @@
 // Each warp streams its tiles through a cp.async pipeline of S stages in shared memory: a
 // tile moves into registers as it starts, and once Q·K^T has spent its K fragments its
 // stage takes the tile S ahead, so S tiles stay in flight through the softmax and P·V. The
-// query heads of the group are the N = 8 columns of both MMAs (Q·K^T: m16n8k32.s8 for an
-// INT8 K cache, else m16n8k16; P·V: m16n8k16 for every cache, fp16 for INT8 V):
+// query heads of the group (with several query tokens, their (token, head) pairs) are the
+// N = 8 columns of both MMAs (Q·K^T: m16n8k32.s8 for an INT8 K cache, else m16n8k16; P·V:
+// m16n8k16 for every cache, fp16 for INT8 V):
 //   S^T[tok, h] = K[tok, :] . Q[h, :]     M = 16 tokens, N = 8 heads, K = head dims
 //   O^T[d, h]   = V^T[d, :] . P^T[:, h]   M = 16 dims,   N = 8 heads, K = tokens
 // The reduction axes and P·V's M are free to permute, which picks the fragments so every
@@ -130,6 +132,7 @@
 // points take it, and a type of internal linkage would drop them from the exports.
 struct DecodeLaunch {
   int32_t device, kind, out_dtype, index64, pdl, head_dim, heads, quantize;
+  int32_t max_query, column_tiles, column_groups, causal;
   int64_t batch, num_kv_heads, splits, ctas;
   int64_t sizes[8];
   int64_t strides[15];
@@ -153,7 +156,7 @@ __device__ __forceinline__ unsigned long long clock_ns() {
 }
 #endif
 
-constexpr int kHeads = 8;        // the MMAs' N: query heads per KV head, at most
+constexpr int kColumns = 8;      // the MMAs' N: (query token, query head) columns per n-tile
 constexpr int kBalancedMaxBatch = 2048;  // sequences the balanced grid takes (cuda_native's)
 constexpr float kLazyMax = 8.f;  // log2 units the running max may lag behind
 // INT8 V: P' = p * v_scale goes to fp16, and p < 2^kLazyMax, so P' is in fp16's range for V
@@ -193,6 +196,24 @@ struct Traits {
   static constexpr int rows = tile / 8;  // K rows per thread
 };
 
+// Columns of the MMAs beyond one n-tile of 8: a sequence's q_len query tokens times the
+// group's query heads, token-major (column c is token c / group, head c % group), so a
+// short query (speculative decoding, multi-token prediction) reads each K/V tile once for
+// all its rows, as one token does. A warp of such a kernel carries NT n-tiles (its scores, P
+// and O per tile: O takes NT * D / 4 registers), and a launch whose columns need more takes
+// column_groups CTAs per KV head group, each on the next NT * 8 columns, reading the same
+// K/V again (from L2 at best). NT = 2 is built where it fits the registers: head_dim 64 and
+// INT8 K+V at 128 (its 16-bit V and INT8 K kinds there, and every kind at 256, take 190-255
+// registers for one n-tile already). Four n-tiles at head_dim 64 (255 registers, 2 CTAs of 4
+// warps per SM) took tinyllama's q_len 4 at B=64, L=8192 0.148-0.158 ms, where the Gluon
+// prefill took 0.137-0.150 and two n-tiles at q_len 2 0.113-0.141 (2026-12-03). These
+// kernels serve one KV head per CTA on the split grid. NT = 0 is the one-token kernel: one
+// n-tile of the group's heads, none of the per-column positions, masks and indexing (on the
+// H200 these cost the one-token decode 0-1.3% at B=64, L=8192 when it carried them,
+// 2026-12-03).
+template <int KIND, int D>
+constexpr int kMaxColumnTiles = D == 64 || (KIND == kInt8KV && D == 128) ? 2 : 1;
+
 struct Args {
   const void* q;          // [T, Hq, D], head-contiguous, row stride q_stride_t: int8 from
                           // quantize_int8 (INT8 K) or the 16-bit query
@@ -214,6 +235,9 @@ struct Args {
   int group, num_blocks, max_blocks, batch, num_kv_heads;
   int page, page_shift;   // page_shift: log2(page) for a power of two, else -1
   int index64;            // bits 0, 1, 2: block_table, seq_lens, query_start are int64
+  int max_query;          // query tokens per sequence this launch serves (others: none)
+  int column_groups;      // CTAs per (KV head group, sequence, split), each on its columns
+  int causal;             // a query token reads no key past its own position
   int query_pending;      // 1: the grid this launch follows (PDL) writes only q and q_scale,
                           // so lengths, table and cache are read before waiting for it
   int* counters;          // balanced grid: one per sequence and head group, zero between
@@ -432,7 +456,9 @@ struct TileBuf {
 // Tiles in flight per warp (the stages of its cp.async pipeline) while it computes one.
 // Loading each tile straight into registers as it starts, and 2 stages, measured slower on
 // the H200 for every format (2026-11-30; docs/cuda-decode.md); 2 stages of 8 warps at
-// head_dim 256 would not fit in shared memory.
+// head_dim 256 would not fit in shared memory. With two n-tiles of columns (a tile's MMAs
+// and softmax twice over) 2 stages took INT8 K+V at head_dim 128 0.99x the time and bf16
+// at 64 1.04x (q_len 2-4, B=64, L=8192, 2026-12-03).
 constexpr int kStages = 1;
 
 // Dynamic shared memory: the warps' pipelines, reused for the merge of the warps at the end.
@@ -440,7 +466,7 @@ template <int D, int KIND>
 __host__ __device__ constexpr size_t smem_bytes() {
   constexpr int warps = Traits<KIND, D>::warps;
   const size_t pipeline = sizeof(TileBuf<D, KIND>) * kStages * warps;
-  const size_t merge = sizeof(float) * warps * kHeads * D;
+  const size_t merge = sizeof(float) * warps * kColumns * D;
   return pipeline > merge ? pipeline : merge;
 }
 
@@ -450,9 +476,10 @@ __host__ __device__ constexpr size_t smem_bytes() {
 // head_dim 128 and 5 at 8-bit head_dim 64, and as fast for 16-bit caches
 // (2026-11-30). INT8 K+V at head_dim 64 is held to 4 (128 registers, no spill), where it
 // measured fastest; left free, ptxas takes 140-146 and 3 CTAs
-// fit.
-template <int D, int KIND>
-constexpr int kMinCtas = KIND == kInt8KV && D == 64 ? 4 : 1;
+// fit. The short-query kernels (NT > 0) are left free: their scores and O need the
+// registers.
+template <int D, int KIND, int NT>
+constexpr int kMinCtas = KIND == kInt8KV && D == 64 && NT == 0 ? 4 : 1;
 
 // The log2-domain log-sum-exp of a row whose scores peak at m and whose exponentials sum to
 // l (-inf for a row without keys, NaN for a NaN row).
@@ -461,11 +488,12 @@ __device__ __forceinline__ float log_sum_exp2(float m, float l) {
 }
 
 // One sequence's lengths, clamped as the Triton kernel clamps them, and the first key its
-// query reads: the query sits at position len - 1, so a window reaches back to len - window.
-// A sequence of several query tokens counts as one without any (q_end == q_start): in a
-// batch that mixes decode rows with prompt chunks this grid serves the one-token queries and
-// the prefill kernel the others (a decode call's hint or sizes give every sequence at most
-// one token, so it never meets one).
+// queries read: its q_len query tokens sit at positions len - q_len .. len - 1 (bottom-right
+// aligned), so a window reaches back to len - q_len + 1 - window. A sequence of more than
+// a.max_query tokens counts as one without any (q_end == q_start): in a batch that mixes
+// decode rows with prompt chunks this grid serves the one-token queries and the prefill
+// kernel the others (a call's hint or sizes give every sequence at most max_query tokens
+// otherwise, so it never meets one).
 struct Seq {
   int64_t len, q_start, q_end, first;
 };
@@ -475,8 +503,9 @@ __device__ __forceinline__ Seq sequence(const Args& a, int b) {
   const int64_t q_start = clamp(load_index(a.query_start, b, a.index64 & 4), 0, a.num_tokens);
   const int64_t q_end =
       clamp(load_index(a.query_start, b + 1, a.index64 & 4), q_start, a.num_tokens);
-  return {len, q_start, q_end - q_start == 1 ? q_end : q_start,
-          a.window > 0 && len > a.window ? len - a.window : 0};
+  const int64_t n = q_end - q_start <= a.max_query ? q_end - q_start : 0;
+  const int64_t reach = len - n + 1 - a.window;  // with a window: its earliest key
+  return {len, q_start, q_start + n, a.window > 0 && reach > 0 ? reach : 0};
 }
 
 // softcap * tanh(score / softcap) in the log2 domain: for s = score * log2(e) and C =
@@ -488,19 +517,25 @@ __device__ __forceinline__ float soft_cap(float s, float cap, float cap_k) {
   return fmaf(-2.f * cap, __fdividef(1.f, 1.f + exp2_ftz(s * cap_k)), cap);
 }
 
-// One CTA's pass over keys [kv_lo, kv_hi) of sequence b (its query token `token`, seq_len
-// keys) for KV heads kvh0 .. kvh0 + H - 1: the warps stream their tiles, the CTA merges
-// them, and each row's result goes to emit(r, d, value, m, l) (row r = slot * group + h:
-// query head h of KV head kvh0 + slot; m, l: its max score and sum of exponentials, log2
-// domain). It ends with __syncthreads, so the CTA may run another span after it.
-// H: KV heads per CTA. kCap: scores are soft-capped (soft_cap). E: the output dtype, also the
-// query's, and the 16-bit cache's.
-template <int D, int KIND, int H, bool kCap, typename E, typename Emit>
+// One CTA's pass over keys [kv_lo, kv_hi) of sequence b (its q_len query tokens from
+// q_start, seq_len keys) for KV heads kvh0 .. kvh0 + H - 1 and the NT * 8 columns from col0
+// (kMaxColumnTiles): the warps stream their tiles, the CTA merges them, and each row's
+// result goes to emit(slot, c, d, value, m, l) (column c: query token q_start + c / group,
+// query head c % group of KV head kvh0 + slot; m, l: its max score and sum of
+// exponentials, log2 domain). Column c's query sits at key position seq_len - q_len + c /
+// group and reads the keys up to it (a.causal; else all of them) and, with a window, none
+// a window's length or more before it. It ends with __syncthreads, so the CTA may run
+// another span after it. H: KV heads per CTA. NT: n-tiles of columns (0: one query token,
+// q_len 1 and col0 0). kCap: scores are soft-capped (soft_cap). E: the output dtype, also
+// the query's, and the 16-bit cache's.
+template <int D, int KIND, int H, int NT, bool kCap, typename E, typename Emit>
 __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int64_t seq_len,
-                                            int64_t token, int64_t kv_lo, int64_t kv_hi,
-                                            Emit emit) {
+                                            int64_t q_start, int q_len, int col0,
+                                            int64_t kv_lo, int64_t kv_hi, Emit emit) {
   constexpr int S = kStages;
   static_assert(S >= 1, "a cp.async pipeline of at least one stage");
+  constexpr bool kShort = NT > 0;       // several query tokens per sequence
+  constexpr int kNT = kShort ? NT : 1;  // n-tiles of columns
   using T = Traits<KIND, D>;
   constexpr bool kK8 = KIND != kHalf, kV8 = KIND == kInt8KV;
   constexpr int kWarps = T::warps, kTile = T::tile;
@@ -525,10 +560,10 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   // hit instead of 1%, with the same DRAM bytes (its copies reaching L2 as partial lines, it
   // seems), and it streamed up to 1.6% slower (2026-11-30).
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads];
+  __shared__ float s_m[kWarps][kColumns], s_l[kWarps][kColumns];
   // P of one tile per warp, [head][token], 16-bit (P): 256 bytes for 16-token tiles, 512
   // for 32. A thread writes one word per head (two for 32-token tiles).
-  __shared__ __align__(16) unsigned char s_p[kWarps][kHeads * kTile * 2];
+  __shared__ __align__(16) unsigned char s_p[kWarps][kColumns * kTile * 2];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -575,12 +610,16 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
     cp_async_rows<kTile, VAt>(buf.v, v_head, at.v, lane);
   };
 
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[2][VD];
+  // Per n-tile n: this thread's columns 2t, 2t + 1 (h) of the scores, and its O rows.
+  float m[kNT][2], l[kNT][2], o[kNT][2][VD];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int n = 0; n < kNT; ++n)
 #pragma unroll
-    for (int i = 0; i < VD; ++i) o[h][i] = 0.f;
+    for (int h = 0; h < 2; ++h) {
+      m[n][h] = -INFINITY, l[n][h] = 0.f;
+#pragma unroll
+      for (int i = 0; i < VD; ++i) o[n][h][i] = 0.f;
+    }
 
   // Prologue: the first S tiles in flight, and the rows of the next one located.
   TokenAt next_at{};
@@ -591,31 +630,48 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   }
   if (num_tiles > 0) next_at = locate_lane(S);  // else no table row to read
 
-  // Q^T fragments (B operand of Q·K^T) of head g: the 16-byte chunks t, t + 4, ... of its row.
-  // Read after the first tiles are in flight: with query_pending they are the only inputs
-  // the grid before may still be writing.
+  // Q^T fragments (B operand of Q·K^T) of column 8n + g: the 16-byte chunks t, t + 4, ... of
+  // its row. Read after the first tiles are in flight: with query_pending they are the only
+  // inputs the grid before may still be writing.
   if (a.query_pending) grid_wait();
   const int64_t head0 = static_cast<int64_t>(kvh) * group;
-  uint32_t qf[KW];
-  if (g < group) {
-    const int8_t* q_row = static_cast<const int8_t*>(a.q) +
-                          (token * a.q_stride_t + (head0 + g) * D) * T::kb;
+  const int columns = kShort ? q_len * group : group;  // the sequence's; this CTA's from col0
+  uint32_t qf[kNT][KW];
 #pragma unroll
-    for (int c = 0; c < KC; ++c) load_global16(q_row + (t + 4 * c) * 16, qf + 4 * c);
-  } else {
+  for (int n = 0; n < kNT; ++n) {
+    const int c = col0 + kColumns * n + g;
+    if (c < columns) {
+      const int64_t token = kShort ? q_start + c / group : q_start;
+      const int8_t* q_row =
+          static_cast<const int8_t*>(a.q) +
+          (token * a.q_stride_t + (head0 + (kShort ? c % group : c)) * D) * T::kb;
 #pragma unroll
-    for (int i = 0; i < KW; ++i) qf[i] = 0;
-  }
-  float qs[2];  // (q_scale *) softmax scale of heads 2t, 2t+1 (0 for padding heads)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const bool real = 2 * t + h < group;
-    if constexpr (kK8) {
-      qs[h] = real ? a.q_scale[token * a.num_q_heads + head0 + 2 * t + h] * a.scale_log2 : 0.f;
+      for (int k = 0; k < KC; ++k) load_global16(q_row + (t + 4 * k) * 16, qf[n] + 4 * k);
     } else {
-      qs[h] = real ? a.scale_log2 : 0.f;
+#pragma unroll
+      for (int i = 0; i < KW; ++i) qf[n][i] = 0;
     }
   }
+  float qs[kNT][2];  // (q_scale *) softmax scale of columns 2t, 2t+1 (0 for padding columns)
+#pragma unroll
+  for (int n = 0; n < kNT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = col0 + kColumns * n + 2 * t + h;
+      if constexpr (kK8) {
+        const int64_t token = kShort ? q_start + c / group : q_start;
+        qs[n][h] = c < columns ? a.q_scale[token * a.num_q_heads + head0 +
+                                           (kShort ? c % group : c)] * a.scale_log2
+                               : 0.f;
+      } else {
+        qs[n][h] = c < columns ? a.scale_log2 : 0.f;
+      }
+    }
+  // Keys some column must not see: from causal_lo on (past the first token's position), and
+  // with a window those before window_hi (before the last token's window starts); tiles
+  // that reach either are masked per score. One query token: causal_lo is seq_len.
+  const int64_t causal_lo = a.causal ? seq_len - q_len + 1 : seq_len;
+  const int64_t window_hi = a.window > 0 && q_len > 1 ? seq_len - a.window : INT64_MIN;
 
   // This thread's reads of a staged tile: K chunks t + 4c of row g ROWS (then + gap(j)), and
   // as lane L of an ldmatrix.x4, row L % 8 of matrix L / 8. 8-bit V: matrices 0-3 are
@@ -658,33 +714,35 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
 #pragma unroll
     for (int x = 0; x < VX; ++x) ldmatrix_x4_trans(buf.v + v_at(x), vm[x]);
 
-    // S^T = K Q^T: m-tile mt holds tokens g ROWS + 2 mt (c0, c1) and g ROWS + 2 mt + 1 (c2,
-    // c3).
-    float sc[ROWS][2];
+    // S^T = K Q^T per n-tile n: m-tile mt holds tokens g ROWS + 2 mt (c0, c1) and g ROWS +
+    // 2 mt + 1 (c2, c3).
+    float sc[kNT][ROWS][2];
 #pragma unroll
-    for (int mt = 0; mt < ROWS / 2; ++mt) {
-      const uint32_t(&k0)[KW] = kw[2 * mt];
-      const uint32_t(&k1)[KW] = kw[2 * mt + 1];
-      if constexpr (kK8) {
-        int acc[4] = {0, 0, 0, 0};
+    for (int n = 0; n < kNT; ++n)
 #pragma unroll
-        for (int c = 0; c < KW / 2; ++c) {
-          mma_s8(acc, k0[2 * c], k1[2 * c], k0[2 * c + 1], k1[2 * c + 1], qf[2 * c],
-                 qf[2 * c + 1]);
+      for (int mt = 0; mt < ROWS / 2; ++mt) {
+        const uint32_t(&k0)[KW] = kw[2 * mt];
+        const uint32_t(&k1)[KW] = kw[2 * mt + 1];
+        if constexpr (kK8) {
+          int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+          for (int c = 0; c < KW / 2; ++c) {
+            mma_s8(acc, k0[2 * c], k1[2 * c], k0[2 * c + 1], k1[2 * c + 1], qf[n][2 * c],
+                   qf[n][2 * c + 1]);
+          }
+          sc[n][2 * mt][0] = acc[0], sc[n][2 * mt][1] = acc[1];
+          sc[n][2 * mt + 1][0] = acc[2], sc[n][2 * mt + 1][1] = acc[3];
+        } else {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int c = 0; c < KW / 2; ++c) {
+            mma_16<E>(acc[0], acc[1], acc[2], acc[3], k0[2 * c], k1[2 * c], k0[2 * c + 1],
+                      k1[2 * c + 1], qf[n][2 * c], qf[n][2 * c + 1]);
+          }
+          sc[n][2 * mt][0] = acc[0], sc[n][2 * mt][1] = acc[1];
+          sc[n][2 * mt + 1][0] = acc[2], sc[n][2 * mt + 1][1] = acc[3];
         }
-        sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
-        sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
-      } else {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int c = 0; c < KW / 2; ++c) {
-          mma_16<E>(acc[0], acc[1], acc[2], acc[3], k0[2 * c], k1[2 * c], k0[2 * c + 1],
-                    k1[2 * c + 1], qf[2 * c], qf[2 * c + 1]);
-        }
-        sc[2 * mt][0] = acc[0], sc[2 * mt][1] = acc[1];
-        sc[2 * mt + 1][0] = acc[2], sc[2 * mt + 1][1] = acc[3];
       }
-    }
 
     // Tile i is in registers, and its K fragments are spent: its stage takes tile i + S,
     // whose latency then hides behind the rest of this tile's math.
@@ -693,109 +751,129 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
     cp_async_commit();
     next_at = locate_lane(i + S + 1);
 
-    // Online softmax per head (2t + h): the scores (soft-capped), the tile's max, a lazy
-    // rescale, then P. Only the last tile of a span has tokens past its end to mask (a
-    // warp-uniform branch); a span never starts before its sequence's window.
+    // Online softmax per column (2t + h of each n-tile): the scores (soft-capped), the
+    // tile's max, a lazy rescale, then P. Only tiles at a span's end or a causal or window
+    // edge of the columns have keys to mask (a warp-uniform branch); a span never starts
+    // before its sequence's window.
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      sc[j][0] *= qs[0] * ks[j];
-      sc[j][1] *= qs[1] * ks[j];
-      if constexpr (kCap) {
-        sc[j][0] = soft_cap(sc[j][0], a.cap, a.cap_k);
-        sc[j][1] = soft_cap(sc[j][1], a.cap, a.cap_k);
-      }
-    }
-    if (tile + kTile > kv_hi) {
-      const int rest = static_cast<int>(kv_hi - tile) - g * ROWS;  // this thread's tokens kept
+    for (int n = 0; n < kNT; ++n)
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        if (j >= rest) sc[j][0] = sc[j][1] = -INFINITY;
+        sc[n][j][0] *= qs[n][0] * ks[j];
+        sc[n][j][1] *= qs[n][1] * ks[j];
+        if constexpr (kCap) {
+          sc[n][j][0] = soft_cap(sc[n][j][0], a.cap, a.cap_k);
+          sc[n][j][1] = soft_cap(sc[n][j][1], a.cap, a.cap_k);
+        }
       }
-    }
-    float tile_max[2];
+    if (tile + kTile > kv_hi || (kShort && (tile + kTile > causal_lo || tile < window_hi))) {
+      const int64_t row0 = tile + g * ROWS;  // this thread's first token
+      const int rest = static_cast<int>(kv_hi - row0);  // its tokens kept by the span
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      for (int n = 0; n < kNT; ++n)
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) mx = fmaxf(mx, sc[j][h]);
-      tile_max[h] = warp_max_over_g(mx);
+        for (int h = 0; h < 2; ++h) {
+          // the column's query position (a padding column's lies past the keys): one token's
+          // span ends before any key it must not see
+          const int64_t pos = seq_len - q_len + (col0 + kColumns * n + 2 * t + h) / group;
+          const int64_t keep_hi = kShort && a.causal ? pos - row0 : kTile;  // rows kept
+          const int64_t drop_lo = kShort && a.window > 0 ? pos - a.window - row0 : -1;
+#pragma unroll
+          for (int j = 0; j < ROWS; ++j) {
+            if (j >= rest || j > keep_hi || j <= drop_lo) sc[n][j][h] = -INFINITY;
+          }
+        }
     }
-    const bool grow0 = tile_max[0] > m[0] + kLazyMax, grow1 = tile_max[1] > m[1] + kLazyMax;
-    if (__any_sync(0xffffffffu, grow0 || grow1)) {
+#pragma unroll
+    for (int n = 0; n < kNT; ++n) {
+      float tile_max[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const bool grow = h == 0 ? grow0 : grow1;
-        const float alpha = grow ? exp2_ftz(m[h] - tile_max[h]) : 1.f;  // 0 from -inf
-        m[h] = grow ? tile_max[h] : m[h];
-        l[h] *= alpha;
+        float mx = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < VD; ++i) o[h][i] *= alpha;
+        for (int j = 0; j < ROWS; ++j) mx = fmaxf(mx, sc[n][j][h]);
+        tile_max[h] = warp_max_over_g(mx);
       }
-    }
+      const bool grow0 = tile_max[0] > m[n][0] + kLazyMax;
+      const bool grow1 = tile_max[1] > m[n][1] + kLazyMax;
+      if (__any_sync(0xffffffffu, grow0 || grow1)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_use = m[h] == -INFINITY ? 0.f : m[h];  // then every score is -inf
-      float psum = 0.f;
+        for (int h = 0; h < 2; ++h) {
+          const bool grow = h == 0 ? grow0 : grow1;
+          const float alpha = grow ? exp2_ftz(m[n][h] - tile_max[h]) : 1.f;  // 0 from -inf
+          m[n][h] = grow ? tile_max[h] : m[n][h];
+          l[n][h] *= alpha;
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        sc[j][h] = exp2_ftz(sc[j][h] - m_use);
-        psum += sc[j][h];
-      }
-      l[h] += psum;  // per-thread partial; summed over g at the end
-      if constexpr (kV8) {  // P' = p * v_scale (kept in fp16's range; kPMax)
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {  // never 0 * a garbage scale
-          sc[j][h] = sc[j][h] > 0.f ? fminf(sc[j][h] * vs[j], kPMax) : 0.f;
+          for (int i = 0; i < VD; ++i) o[n][h][i] *= alpha;
         }
       }
-      uint32_t* dst = reinterpret_cast<uint32_t*>(p_row) + ((2 * t + h) * kTile + g * ROWS) / 2;
-      if constexpr (ROWS == 4) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16x2<P>(sc[0][h], sc[1][h]),
-                                                    pack_16x2<P>(sc[2][h], sc[3][h]));
-      } else {
-        static_assert(ROWS == 2, "16-bit P: tiles of 16 or 32 tokens");
-        *dst = pack_16x2<P>(sc[0][h], sc[1][h]);
-      }
-    }
-    __syncwarp();
-    // P^T fragments of head g: tokens 4t..4t+3 of each 16, the V fragments' K order (the
-    // m16n8k16 B fragment's k 2t, 2t + 1 are tokens 4t, 4t + 1 and its k 2t + 8, 2t + 9 are
-    // tokens 4t + 2, 4t + 3).
-    uint32_t pb[PW];
 #pragma unroll
-    for (int w = 0; w < PW; w += 2) {
-      const uint2 x = *reinterpret_cast<const uint2*>(p_row + (g * kTile + 8 * w + 4 * t) * 2);
-      pb[w] = x.x, pb[w + 1] = x.y;
-    }
-    __syncwarp();  // the next tile rewrites s_p
+      for (int h = 0; h < 2; ++h) {
+        const float m_use = m[n][h] == -INFINITY ? 0.f : m[n][h];  // then every score is -inf
+        float psum = 0.f;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+          sc[n][j][h] = exp2_ftz(sc[n][j][h] - m_use);
+          psum += sc[n][j][h];
+        }
+        l[n][h] += psum;  // per-thread partial; summed over g at the end
+        if constexpr (kV8) {  // P' = p * v_scale (kept in fp16's range; kPMax)
+#pragma unroll
+          for (int j = 0; j < ROWS; ++j) {  // never 0 * a garbage scale
+            sc[n][j][h] = sc[n][j][h] > 0.f ? fminf(sc[n][j][h] * vs[j], kPMax) : 0.f;
+          }
+        }
+        uint32_t* dst =
+            reinterpret_cast<uint32_t*>(p_row) + ((2 * t + h) * kTile + g * ROWS) / 2;
+        if constexpr (ROWS == 4) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16x2<P>(sc[n][0][h], sc[n][1][h]),
+                                                      pack_16x2<P>(sc[n][2][h], sc[n][3][h]));
+        } else {
+          static_assert(ROWS == 2, "16-bit P: tiles of 16 or 32 tokens");
+          *dst = pack_16x2<P>(sc[n][0][h], sc[n][1][h]);
+        }
+      }
+      __syncwarp();
+      // P^T fragments of column 8n + g: tokens 4t..4t+3 of each 16, the V fragments' K order
+      // (the m16n8k16 B fragment's k 2t, 2t + 1 are tokens 4t, 4t + 1 and its k 2t + 8,
+      // 2t + 9 are tokens 4t + 2, 4t + 3).
+      uint32_t pb[PW];
+#pragma unroll
+      for (int w = 0; w < PW; w += 2) {
+        const uint2 x =
+            *reinterpret_cast<const uint2*>(p_row + (g * kTile + 8 * w + 4 * t) * 2);
+        pb[w] = x.x, pb[w + 1] = x.y;
+      }
+      __syncwarp();  // the next n-tile or tile rewrites s_p
 
-    if constexpr (kV8) {
-      // O^T += V^T P'^T per 16 dims x, in two k16 steps of 16 tokens: ldmatrix gave tokens
-      // 4t, 4t + 1 (word 0) and 4t + 2, 4t + 3 (word 1) of dims 2g, 2g + 1, the next 16
-      // tokens in words 2, 3; each A register is one dim's two tokens of one word, as fp16
-      // (int8_pair_to_half2). m-tile rows g, g + 8 are dims 16x + 2g (c0, c1) and 16x + 2g +
-      // 1 (c2, c3).
-      static_assert(kTile == 32, "INT8 V: two P·V MMA K steps per tile");
+      if constexpr (kV8) {
+        // O^T += V^T P'^T per 16 dims x, in two k16 steps of 16 tokens: ldmatrix gave tokens
+        // 4t, 4t + 1 (word 0) and 4t + 2, 4t + 3 (word 1) of dims 2g, 2g + 1, the next 16
+        // tokens in words 2, 3; each A register is one dim's two tokens of one word, as
+        // fp16 (int8_pair_to_half2). m-tile rows g, g + 8 are dims 16x + 2g (c0, c1) and
+        // 16x + 2g + 1 (c2, c3).
+        static_assert(kTile == 32, "INT8 V: two P·V MMA K steps per tile");
 #pragma unroll
-      for (int x = 0; x < VX; ++x) {
-        const uint32_t(&w)[4] = vm[x];
+        for (int x = 0; x < VX; ++x) {
+          const uint32_t(&w)[4] = vm[x];
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const uint32_t lo = w[2 * kk] ^ 0x80808080u, hi = w[2 * kk + 1] ^ 0x80808080u;
-          mma_16<__half>(o[0][2 * x], o[1][2 * x], o[0][2 * x + 1], o[1][2 * x + 1],
-                         int8_pair_to_half2(lo, 0x4240), int8_pair_to_half2(lo, 0x4341),
-                         int8_pair_to_half2(hi, 0x4240), int8_pair_to_half2(hi, 0x4341),
-                         pb[2 * kk], pb[2 * kk + 1]);
+          for (int kk = 0; kk < 2; ++kk) {
+            const uint32_t lo = w[2 * kk] ^ 0x80808080u, hi = w[2 * kk + 1] ^ 0x80808080u;
+            mma_16<__half>(o[n][0][2 * x], o[n][1][2 * x], o[n][0][2 * x + 1],
+                           o[n][1][2 * x + 1], int8_pair_to_half2(lo, 0x4240),
+                           int8_pair_to_half2(lo, 0x4341), int8_pair_to_half2(hi, 0x4240),
+                           int8_pair_to_half2(hi, 0x4341), pb[2 * kk], pb[2 * kk + 1]);
+          }
         }
-      }
-    } else {
-      // O^T += V^T P^T per 16 dims and 16 tokens: ldmatrix gave the A fragment as it is. m-tile
-      // rows g, g + 8 are dims 16c + g (c0, c1) and 16c + g + 8 (c2, c3).
+      } else {
+        // O^T += V^T P^T per 16 dims and 16 tokens: ldmatrix gave the A fragment as it is.
+        // m-tile rows g, g + 8 are dims 16c + g (c0, c1) and 16c + g + 8 (c2, c3).
 #pragma unroll
-      for (int x = 0; x < VX; ++x) {
-        const int c = x % (D / 16), kk = x / (D / 16);
-        mma_16<E>(o[0][2 * c], o[1][2 * c], o[0][2 * c + 1], o[1][2 * c + 1], vm[x][0],
-                  vm[x][1], vm[x][2], vm[x][3], pb[2 * kk], pb[2 * kk + 1]);
+        for (int x = 0; x < VX; ++x) {
+          const int c = x % (D / 16), kk = x / (D / 16);
+          mma_16<E>(o[n][0][2 * c], o[n][1][2 * c], o[n][0][2 * c + 1], o[n][1][2 * c + 1],
+                    vm[x][0], vm[x][1], vm[x][2], vm[x][3], pb[2 * kk], pb[2 * kk + 1]);
+        }
       }
     }
   }
@@ -805,67 +883,81 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   if (threadIdx.x == 0 && blockIdx.x < kClockCtas) g_cta_clock[4 * blockIdx.x + 1] = clock_ns();
 #endif
 
-  // Merge the warps: each publishes its (m, l, O) per head; the CTA combines them. O goes
-  // where the pipelines were, so every warp must be done with its tiles first.
+  // Merge the warps, one n-tile at a time: each publishes its (m, l, O) per column; the CTA
+  // combines them. O goes where the pipelines were, so every warp must be done with its
+  // tiles first.
   cp_async_wait<0>();
-  __syncthreads();
-  auto s_o = reinterpret_cast<float(*)[kHeads][D]>(smem);
+  auto s_o = reinterpret_cast<float(*)[kColumns][D]>(smem);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float lsum = warp_sum_over_g(l[h]);
-    if (g == 0) s_m[warp][2 * t + h] = m[h], s_l[warp][2 * t + h] = lsum;
+  for (int n = 0; n < kNT; ++n) {
+    const int first_col = col0 + kColumns * n;
+    const int cols = columns - first_col < kColumns ? columns - first_col : kColumns;
+    if (cols <= 0) break;  // the same for the whole CTA
+    __syncthreads();
 #pragma unroll
-    for (int i = 0; i < VD; ++i) {  // o[h][2c + e]: dim 16c + 2g + e (8-bit V), 16c + g + 8e
-      const int dim = 16 * (i / 2) + (kV8 ? 2 * g + i % 2 : g + 8 * (i % 2));
-      s_o[warp][2 * t + h][dim] = o[h][i];
+    for (int h = 0; h < 2; ++h) {
+      const float lsum = warp_sum_over_g(l[n][h]);
+      if (g == 0) s_m[warp][2 * t + h] = m[n][h], s_l[warp][2 * t + h] = lsum;
+#pragma unroll
+      for (int i = 0; i < VD; ++i) {  // o[h][2c + e]: dim 16c + 2g + e (8-bit V), 16c + g + 8e
+        const int dim = 16 * (i / 2) + (kV8 ? 2 * g + i % 2 : g + 8 * (i % 2));
+        s_o[warp][2 * t + h][dim] = o[n][h][i];
+      }
     }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < H * group * D; idx += kWarps * 32) {
-    const int r = idx / D, d = idx % D;
-    const int w0 = r / group * head_warps, h = r % group;  // the warps of KV head kvh0 + r / group
-    float mx = -INFINITY;
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < H * cols * D; idx += kWarps * 32) {
+      const int r = idx / D, d = idx % D;
+      const int slot = r / cols, c = r % cols;  // KV head kvh0 + slot, column first_col + c
+      const int w0 = slot * head_warps;         // its warps
+      float mx = -INFINITY;
 #pragma unroll
-    for (int w = w0; w < w0 + head_warps; ++w) mx = fmaxf(mx, s_m[w][h]);
-    const float m_use = mx == -INFINITY ? 0.f : mx;
-    float lsum = 0.f, acc = 0.f;
+      for (int w = w0; w < w0 + head_warps; ++w) mx = fmaxf(mx, s_m[w][c]);
+      const float m_use = mx == -INFINITY ? 0.f : mx;
+      float lsum = 0.f, acc = 0.f;
 #pragma unroll
-    for (int w = w0; w < w0 + head_warps; ++w) {
-      const float e = exp2f(s_m[w][h] - m_use);
-      lsum += e * s_l[w][h];
-      acc += e * s_o[w][h][d];
+      for (int w = w0; w < w0 + head_warps; ++w) {
+        const float e = exp2f(s_m[w][c] - m_use);
+        lsum += e * s_l[w][c];
+        acc += e * s_o[w][c][d];
+      }
+      emit(slot, first_col + c, d, lsum != lsum ? NAN : acc / (lsum > 0.f ? lsum : 1.f), m_use,
+           lsum);
     }
-    emit(r, d, lsum != lsum ? NAN : acc / (lsum > 0.f ? lsum : 1.f), m_use, lsum);
   }
   __syncthreads();  // the next span reuses the shared memory
 }
 
-// The split grid: one CTA per (group of H KV heads, sequence, split), heads fastest, each on
-// its split's chunk of the keys the query reads (from its window's start); with more than
-// one split a combine kernel merges them.
-template <int D, int KIND, int H, bool kCap, typename E>
+// The split grid: one CTA per (column group, group of H KV heads, sequence, split), column
+// groups then heads fastest, each on its split's chunk of the keys the queries read (from
+// their window's start); with more than one split a combine kernel merges them.
+template <int D, int KIND, int H, int NT, bool kCap, typename E>
 __device__ __forceinline__ void split_grid(const Args& a) {
   using T = Traits<KIND, D>;
   constexpr int cta_tokens = T::warps / H * T::tile;  // split chunks are multiples of it
-  const int head_groups = a.num_kv_heads / H;
-  const int kvh0 = static_cast<int>(blockIdx.x % head_groups) * H;
-  const unsigned rest = blockIdx.x / head_groups;
+  const int head_groups = a.num_kv_heads / H, col_groups = a.column_groups;
+  const int col0 = static_cast<int>(blockIdx.x % col_groups) * NT * kColumns;  // 0 for NT 0
+  const unsigned cell = blockIdx.x / col_groups;
+  const int kvh0 = static_cast<int>(cell % head_groups) * H;
+  const unsigned rest = cell / head_groups;
   const int b = static_cast<int>(rest % a.batch), split = static_cast<int>(rest / a.batch);
-  const int splits = static_cast<int>(gridDim.x / (head_groups * a.batch));
+  const int splits = static_cast<int>(gridDim.x / (col_groups * head_groups * a.batch));
 
   if (!a.query_pending) grid_wait();  // everything may come from the grid before
   const Seq s = sequence(a, b);
-  if (s.q_end == s.q_start) return;  // no query token for this sequence
+  const int q_len = static_cast<int>(s.q_end - s.q_start);
+  if (col0 >= q_len * a.group) return;  // no query token, or no column of this group
   const int64_t chunk = ((s.len - s.first + splits - 1) / splits + cta_tokens - 1) /
                         cta_tokens * cta_tokens;
   const int64_t kv_lo = s.first + split * chunk;
   const int64_t kv_hi = kv_lo + chunk < s.len ? kv_lo + chunk : s.len;
-  const int64_t row0 = s.q_start * a.num_q_heads + static_cast<int64_t>(kvh0) * a.group;
   const int64_t rows = a.num_tokens * a.num_q_heads;
   E* out = static_cast<E*>(a.out);
-  decode_span<D, KIND, H, kCap, E>(a, b, kvh0, s.len, s.q_start, kv_lo, kv_hi,
-                                   [&](int r, int d, float val, float m, float l) {
-    const int64_t row = row0 + r;
+  decode_span<D, KIND, H, NT, kCap, E>(a, b, kvh0, s.len, s.q_start, q_len, col0, kv_lo, kv_hi,
+                                       [&](int slot, int c, int d, float val, float m, float l) {
+    const int64_t row = NT > 0 ? (s.q_start + c / a.group) * a.num_q_heads +
+                                     static_cast<int64_t>(kvh0 + slot) * a.group + c % a.group
+                               : s.q_start * a.num_q_heads +
+                                     static_cast<int64_t>(kvh0 + slot) * a.group + c;
     if (splits == 1) {
       out[row * D + d] = to_out<E>(val);
     } else {
@@ -999,8 +1091,10 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
     }
     const int64_t kv_lo = s.first + s0 * cta_tokens, kv_end = s.first + s1 * cta_tokens;
     const int64_t kv_hi = kv_end < s.len ? kv_end : s.len;
-    decode_span<D, KIND, H, kCap, E>(a, b, hg * H, s.len, s.q_start, kv_lo, kv_hi,
-                                     [&](int r, int d, float val, float m, float l) {
+    decode_span<D, KIND, H, 0, kCap, E>(a, b, hg * H, s.len, s.q_start, 1, 0, kv_lo, kv_hi,
+                                        [&](int slot, int c, int d, float val, float m,
+                                            float l) {
+      const int r = slot * a.group + c;  // one query token: column c is head c
       const Piece& p = s_piece[k & 1];
       if (p.whole) {
         out[(p.row0 + r) * D + d] = to_out<E>(val);
@@ -1081,11 +1175,12 @@ __device__ __forceinline__ void balanced_grid(const Args& a) {
 
 // kBalanced: the balanced grid, else the split grid (two kernels: the balanced grid's loop
 // over pieces takes the split grid's 4-warp variants up to 40 more registers, 2 CTAs per SM
-// instead of 3). kCap: soft-capped scores, a kernel of its own, so that a call without a cap
-// runs none of its instructions.
-template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
-__global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>)
+// instead of 3); it serves one query token per sequence (NT 0). kCap: soft-capped scores, a
+// kernel of its own, so that a call without a cap runs none of its instructions.
+template <int D, int KIND, int H, int NT, bool kBalanced, bool kCap, typename E>
+__global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND, NT>)
     paged_decode_kernel(const Args a) {
+  static_assert(!kBalanced || NT == 0, "the balanced grid: one query token per sequence");
 #ifdef PF_CTA_CLOCK
   const unsigned long long clock_start = clock_ns();
   if (threadIdx.x == 0 && blockIdx.x < kClockCtas) g_cta_clock[4 * blockIdx.x + 1] = clock_start;
@@ -1093,7 +1188,7 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
   if constexpr (kBalanced) {
     balanced_grid<D, KIND, H, kCap, E>(a);
   } else {
-    split_grid<D, KIND, H, kCap, E>(a);
+    split_grid<D, KIND, H, NT, kCap, E>(a);
   }
 #ifdef PF_CTA_CLOCK
   __syncthreads();
@@ -1106,10 +1201,11 @@ __global__ void __launch_bounds__(Traits<KIND, D>::warps * 32, kMinCtas<D, KIND>
 #endif
 }
 
-// How one call launches: the grid's splits (or, balanced, its CTAs) and KV heads per CTA,
-// as a programmatic dependent launch or not, on which stream of which device.
+// How one call launches: the grid's splits (or, balanced, its CTAs), KV heads per CTA and
+// n-tiles of columns per warp, as a programmatic dependent launch or not, on which stream of
+// which device.
 struct Launch {
-  int splits, ctas, heads;
+  int splits, ctas, heads, tiles;
   bool pdl;
   cudaStream_t stream;
   int device;
@@ -1136,12 +1232,12 @@ cudaError_t opt_in_once(Kernel kernel, int device, std::atomic<uint64_t>& done) 
   return opted;
 }
 
-// One variant: launch it on a grid of (groups of H KV heads, sequences, splits), or of
-// l.ctas CTAs (the balanced grid).
-template <int D, int KIND, int H, bool kBalanced, bool kCap, typename E>
+// One variant: launch it on a grid of (column groups, groups of H KV heads, sequences,
+// splits), or of l.ctas CTAs (the balanced grid).
+template <int D, int KIND, int H, int NT, bool kBalanced, bool kCap, typename E>
 cudaError_t launch(const Args& a, const Launch& l) {
   using T = Traits<KIND, D>;
-  const auto kernel = paged_decode_kernel<D, KIND, H, kBalanced, kCap, E>;
+  const auto kernel = paged_decode_kernel<D, KIND, H, NT, kBalanced, kCap, E>;
   static std::atomic<uint64_t> opted_in{0};  // this instantiation's: one per kernel
   const cudaError_t opted = opt_in_once<D, KIND>(kernel, l.device, opted_in);
   if (opted != cudaSuccess) return opted;
@@ -1150,22 +1246,28 @@ cudaError_t launch(const Args& a, const Launch& l) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(
-      kBalanced ? l.ctas : a.num_kv_heads / H * a.batch * l.splits));
+      kBalanced ? l.ctas : a.column_groups * (a.num_kv_heads / H) * a.batch * l.splits));
   config.blockDim = dim3(T::warps * 32);
   config.dynamicSmemBytes = smem_bytes<D, KIND>(), config.stream = l.stream;
   config.attrs = &attr, config.numAttrs = l.pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, a);
 }
 
-// The grid (balanced or split) with or without the soft cap (a.cap > 0).
-template <int D, int KIND, int H, typename E>
+// The grid (balanced or split; NT > 0: split) with or without the soft cap (a.cap > 0).
+template <int D, int KIND, int H, int NT, typename E>
 cudaError_t launch_grid(const Args& a, const Launch& l) {
-  if (a.cap > 0.f) {
-    return l.ctas > 0 ? launch<D, KIND, H, true, true, E>(a, l)
-                      : launch<D, KIND, H, false, true, E>(a, l);
+  if constexpr (NT > 0) {
+    if (l.ctas > 0) return cudaErrorInvalidValue;
+    return a.cap > 0.f ? launch<D, KIND, H, NT, false, true, E>(a, l)
+                       : launch<D, KIND, H, NT, false, false, E>(a, l);
+  } else {
+    if (a.cap > 0.f) {
+      return l.ctas > 0 ? launch<D, KIND, H, 0, true, true, E>(a, l)
+                        : launch<D, KIND, H, 0, false, true, E>(a, l);
+    }
+    return l.ctas > 0 ? launch<D, KIND, H, 0, true, false, E>(a, l)
+                      : launch<D, KIND, H, 0, false, false, E>(a, l);
   }
-  return l.ctas > 0 ? launch<D, KIND, H, true, false, E>(a, l)
-                    : launch<D, KIND, H, false, false, E>(a, l);
 }
 
 // CTAs of a kernel that fit on one multiprocessor at once (registers and shared memory).
@@ -1177,29 +1279,51 @@ cudaError_t resident(Kernel kernel, int* ctas) {
       ctas, kernel, Traits<KIND, D>::warps * 32, smem_bytes<D, KIND>());
 }
 
-// The (D, KIND) variants: launch the one of l.heads KV heads per CTA (1, 2 or 4), or with
-// info set (no launch) write the tuned one's CTAs per multiprocessor in the split grid,
-// warps per CTA, tokens per warp tile, KV heads per CTA, and CTAs per multiprocessor in the
-// balanced grid to info[0..4].
+// The (D, KIND) variants: launch the one-token kernel (l.tiles 0) of l.heads KV heads per CTA
+// (1, 2 or 4) or a short-query kernel of l.tiles n-tiles (1 up to kMaxColumnTiles; one head
+// per CTA, the split grid), or with info set (no launch) write, for l.tiles, that kernel's
+// CTAs per multiprocessor on the split grid (with the tuned KV heads per CTA for one token),
+// warps per CTA, tokens per warp tile, those KV heads per CTA, the one-token kernel's CTAs
+// per multiprocessor on the balanced grid and kMaxColumnTiles to info[0..5].
 template <int D, int KIND, typename E>
 cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
   using T = Traits<KIND, D>;
+  constexpr int kMaxNT = kMaxColumnTiles<KIND, D>;
   if (info != nullptr) {
-    info[1] = T::warps, info[2] = T::tile, info[3] = T::heads;
-    const cudaError_t split = resident<D, KIND>(
-        paged_decode_kernel<D, KIND, T::heads, false, false, E>, info);
-    if (split != cudaSuccess) return split;
-    return resident<D, KIND>(paged_decode_kernel<D, KIND, T::heads, true, false, E>, info + 4);
+    info[1] = T::warps, info[2] = T::tile, info[3] = l.tiles == 0 ? T::heads : 1;
+    info[5] = kMaxNT;
+    const cudaError_t balanced = resident<D, KIND>(
+        paged_decode_kernel<D, KIND, T::heads, 0, true, false, E>, info + 4);
+    if (balanced != cudaSuccess) return balanced;
+    switch (l.tiles) {
+      case 0: return resident<D, KIND>(
+          paged_decode_kernel<D, KIND, T::heads, 0, false, false, E>, info);
+      case 1: return resident<D, KIND>(
+          paged_decode_kernel<D, KIND, 1, 1, false, false, E>, info);
+      case 2: if constexpr (kMaxNT >= 2) return resident<D, KIND>(
+          paged_decode_kernel<D, KIND, 1, 2, false, false, E>, info);
+        return cudaErrorInvalidValue;
+      default: return cudaErrorInvalidValue;
+    }
   }
   if (l.heads < 1 || a.num_kv_heads % l.heads != 0) return cudaErrorInvalidValue;
   if (l.ctas > 0 && (a.batch > kBalancedMaxBatch || a.counters == nullptr ||
-                     l.ctas % (a.num_kv_heads / l.heads) != 0)) {
+                     l.ctas % (a.num_kv_heads / l.heads) != 0 || l.tiles != 0)) {
     return cudaErrorInvalidValue;
   }
+  if (l.tiles != 0) {
+    if (l.heads != 1) return cudaErrorInvalidValue;
+    switch (l.tiles) {
+      case 1: return launch_grid<D, KIND, 1, 1, E>(a, l);
+      case 2: if constexpr (kMaxNT >= 2) return launch_grid<D, KIND, 1, 2, E>(a, l);
+        return cudaErrorInvalidValue;
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (l.heads) {
-    case 1: return launch_grid<D, KIND, 1, E>(a, l);
-    case 2: return launch_grid<D, KIND, 2, E>(a, l);
-    case 4: return launch_grid<D, KIND, 4, E>(a, l);
+    case 1: return launch_grid<D, KIND, 1, 0, E>(a, l);
+    case 2: return launch_grid<D, KIND, 2, 0, E>(a, l);
+    case 4: return launch_grid<D, KIND, 4, 0, E>(a, l);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -1354,6 +1478,15 @@ cudaError_t launch_decode(const DecodeLaunch& d, const Tensors& t, cudaStream_t 
   a.max_blocks = static_cast<int>(sizes[4]), a.page = static_cast<int>(sizes[5]);
   a.page_shift = static_cast<int>(sizes[6]), a.window = sizes[7];
   a.index64 = d.index64, a.query_pending = d.pdl == 2;
+  a.max_query = d.max_query, a.column_groups = d.column_groups, a.causal = d.causal;
+  // the one-token kernel serves one token of the group's heads; a short-query kernel's
+  // column groups hold every column of a sequence of max_query tokens
+  if (d.column_tiles == 0 ? d.max_query != 1 || d.column_groups != 1
+                          : d.max_query < 1 || d.column_groups < 1 ||
+                                static_cast<int64_t>(d.column_groups) * d.column_tiles *
+                                        kColumns < static_cast<int64_t>(d.max_query) * sizes[2]) {
+    return cudaErrorInvalidValue;
+  }
   a.batch = static_cast<int>(d.batch), a.num_kv_heads = static_cast<int>(d.num_kv_heads);
   a.counters = t.counters;
   // The caller checked: K/V strides are 16-byte multiples and every per-token offset fits
@@ -1366,8 +1499,8 @@ cudaError_t launch_decode(const DecodeLaunch& d, const Tensors& t, cudaStream_t 
   a.ks_sb = u32(strides[7]), a.ks_st = u32(strides[8]), a.ks_sh = strides[9];
   a.vs_sb = u32(strides[10]), a.vs_st = u32(strides[11]), a.vs_sh = strides[12];
   a.bt_sb = strides[13], a.bt_sn = u32(strides[14]);
-  const Launch l{static_cast<int>(d.splits), static_cast<int>(d.ctas), d.heads, d.pdl > 0,
-                 stream, d.device};
+  const Launch l{static_cast<int>(d.splits), static_cast<int>(d.ctas), d.heads,
+                 d.column_tiles, d.pdl > 0, stream, d.device};
   return d.out_dtype == 0 ? dispatch<__nv_bfloat16>(a, d.kind, d.head_dim, l, nullptr)
                           : dispatch<__half>(a, d.kind, d.head_dim, l, nullptr);
 }
@@ -1413,9 +1546,12 @@ extern "C" {
 // op's choice: cuda_native.heads_per_cta). ctas > 0: the balanced grid of that many CTAs, a
 // multiple of num_kv_heads / heads (splits unused; batch at most kBalancedMaxBatch;
 // part_o/part_lse hold 2 * ctas pieces of heads * group rows; counters: batch *
-// num_kv_heads / heads ints, zero, and zero again after the grid). The caller guarantees
+// num_kv_heads / heads ints, zero, and zero again after the grid). max_query, column_tiles,
+// column_groups: the query tokens per sequence served (sequences with more get no CTA) and
+// the short-query kernel's n-tiles and column groups (kMaxColumnTiles), or 1, 0, 1 for the
+// one-token kernel; causal: a query token reads no key past its position. The caller guarantees
 // what cuda_native.decode_unsupported checks (alignment, 32-bit per-token offsets) and
-// num_kv_heads * batch * splits < 2^31.
+// column_groups * num_kv_heads * batch * splits < 2^31.
 int pagedfuse_decode(const DecodeLaunch* d, void* stream, const void* q, const float* q_scale,
                      const void* k, const void* v, const float* k_scale, const float* v_scale,
                      const void* block_table, const void* seq_lens, const void* query_start,
@@ -1496,13 +1632,17 @@ int pagedfuse_quantize(int device, void* stream, int dtype, const void* x, int8_
   }
 }
 
-// The (kind, head_dim) variant on `device`: CTAs per multiprocessor, warps per CTA, tokens
-// per warp tile, default KV heads per CTA and CTAs per multiprocessor in the balanced grid,
-// into info[0..4]; returns a cudaError_t code.
-int pagedfuse_decode_variant(int device, int kind, int head_dim, int* info) {
+// The (kind, head_dim) variant on `device` with `column_tiles` n-tiles of columns (0: the
+// one-token kernel): CTAs per multiprocessor, warps per CTA, tokens per warp tile, default KV
+// heads per CTA, the one-token kernel's CTAs per multiprocessor in the balanced grid and the
+// most n-tiles built, into info[0..5]; returns a cudaError_t code (invalid value: no such
+// build).
+int pagedfuse_decode_variant(int device, int kind, int head_dim, int column_tiles, int* info) {
   const DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) return guard.status();
-  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, Launch{}, info);
+  Launch l{};
+  l.tiles = column_tiles;
+  return dispatch<__nv_bfloat16>(Args{}, kind, head_dim, l, info);
 }
 
 // 0 when this build has machine code or PTX the device can run, else a cudaError_t code.
@@ -1511,7 +1651,8 @@ int pagedfuse_decode_probe(int device) {
   if (guard.status() != cudaSuccess) return guard.status();
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr,
-                               paged_decode_kernel<128, kInt8KV, 4, false, false, __nv_bfloat16>);
+                               paged_decode_kernel<128, kInt8KV, 4, 0, false, false,
+                                                   __nv_bfloat16>);
 }
 
 #ifdef PF_CTA_CLOCK

@@ -27,7 +27,11 @@ KINDS = ("int8_kv", "int8_k", "half")
 # serve each of these counts of KV heads (every count divides every variant's warps).
 HEAD_DIMS = (64, 128, 256)
 HEADS_PER_CTA = (1, 2, 4)
-MAX_GROUP = 8  # query heads per KV head: the N of the kernel's MMAs
+MAX_GROUP = 8  # query heads per KV head
+COLUMNS = 8  # the N of the kernel's MMAs: (query token, query head) columns per n-tile
+COLUMN_TILES = (1, 2)  # n-tiles per warp of the short-query kernels (up to
+# Variant.max_column_tiles); 0 is the one-token kernel
+MAX_QUERY = 8  # query tokens per sequence the kernel serves
 BALANCED_MAX_BATCH = 2048  # sequences the balanced grid takes (the kernel's kBalancedMaxBatch)
 ALIGN = 16  # bytes: the kernel copies K and V rows in 16-byte chunks
 OFFSET_LIMIT = 2**32  # per-token offsets are 32-bit (K/V in ALIGN-byte units)
@@ -49,7 +53,8 @@ class DecodeLaunch(ctypes.Structure):
 
     _fields_ = [
         *((name, ctypes.c_int32) for name in ("device", "kind", "out_dtype", "index64", "pdl",
-                                              "head_dim", "heads", "quantize")),
+                                              "head_dim", "heads", "quantize", "max_query",
+                                              "column_tiles", "column_groups", "causal")),
         *((name, _I64) for name in ("batch", "num_kv_heads", "splits", "ctas")),
         ("sizes", _I64 * 8), ("strides", _I64 * 15), ("q_stride_h", _I64),
         *((name, _I64) for name in ("part_o", "part_lse", "q8", "q_scale")),
@@ -83,7 +88,7 @@ def library() -> ctypes.CDLL | None:
     lib.pagedfuse_quantize.argtypes = [ctypes.c_int, _P, ctypes.c_int, _P, _P, _P, _I64, _I64]
     lib.pagedfuse_quantize.restype = ctypes.c_int
     lib.pagedfuse_decode_probe.argtypes = [ctypes.c_int]
-    lib.pagedfuse_decode_variant.argtypes = [ctypes.c_int] * 3 + [ctypes.POINTER(ctypes.c_int)]
+    lib.pagedfuse_decode_variant.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_int)]
     lib.pagedfuse_cuda_error_string.argtypes = [ctypes.c_int]
     lib.pagedfuse_cuda_error_string.restype = ctypes.c_char_p
     return lib
@@ -106,28 +111,58 @@ def decode_available(device: torch.device) -> bool:
 
 
 class Variant(NamedTuple):
-    """A built (kind, head_dim) decode kernel on one device: its CTAs per multiprocessor
-    (registers and shared memory), warps per CTA, tokens per warp tile, the most KV heads
-    per CTA the op gives it (the kernel's Traits; 1, 2 and 4 are built), and CTAs per
-    multiprocessor of its balanced-grid kernel (what sizes that grid: cuda.balanced_ctas)."""
+    """A built (kind, head_dim) decode kernel, one-token or short-query (Columns.tiles), on
+    one device: its CTAs per multiprocessor (registers and shared memory), warps per CTA,
+    tokens per warp tile, the most KV heads per CTA the op gives it (the kernel's Traits; 1,
+    2 and 4 are built for one token, 1 for short queries), CTAs per multiprocessor of the
+    one-token balanced-grid kernel (what sizes that grid: cuda.balanced_ctas) and the most
+    n-tiles the short-query kernels have for the kind and head_dim (kMaxColumnTiles)."""
 
     resident: int
     warps: int
     tile: int
     heads: int
     balanced_resident: int
+    max_column_tiles: int = 1
 
 
 @functools.cache
-def decode_variant(device: torch.device, kind: str, head_dim: int) -> Variant:
+def decode_variant(device: torch.device, kind: str, head_dim: int,
+                   column_tiles: int = 0) -> Variant:
     """What the library says about that kernel variant on ``device``."""
     lib = library()
     info = (ctypes.c_int * len(Variant._fields))()
-    err = lib.pagedfuse_decode_variant(_index(device), KINDS.index(kind), head_dim, info)
+    err = lib.pagedfuse_decode_variant(_index(device), KINDS.index(kind), head_dim,
+                                       column_tiles, info)
     if err:
-        raise RuntimeError(f"pagedfuse decode variant query failed: "
-                           f"{lib.pagedfuse_cuda_error_string(err).decode()}")
+        raise RuntimeError(f"pagedfuse decode variant query failed for {column_tiles} "
+                           f"n-tiles: {lib.pagedfuse_cuda_error_string(err).decode()}")
     return Variant(*info)
+
+
+class Columns(NamedTuple):
+    """The MMA columns of a launch: (query token, query head) pairs of a KV head, 8 per
+    n-tile. ``max_query``: query tokens per sequence it serves (sequences with more get no
+    CTA: the prefill kernel's); ``tiles``: n-tiles per warp of the short-query kernel (0:
+    the one-token kernel, the group's heads in one n-tile); ``groups``: CTAs per KV head
+    group, each on the next tiles x 8 columns (reading the same K/V again)."""
+
+    max_query: int = 1
+    tiles: int = 0
+    groups: int = 1
+
+
+ONE_TOKEN = Columns()
+
+
+def columns_for(max_query: int, group: int, max_tiles: int) -> Columns:
+    """The fewest n-tiles (of the COLUMN_TILES up to ``max_tiles``) that hold a sequence's
+    max_query x group columns, else the most and as many column groups as it takes: a warp
+    then reads each K/V tile once for all of them."""
+    need = -(-max_query * group // COLUMNS)
+    tiles = next((n for n in COLUMN_TILES if n >= need and n <= max_tiles),
+                 max(n for n in COLUMN_TILES if n <= max_tiles))
+    return Columns(max_query, tiles, -(-need // tiles))
 
 
 def heads_per_cta(variant: Variant, num_kv_heads: int, batch: int, sm_count: int) -> int:
@@ -260,12 +295,12 @@ _RECORDS: SignatureCache[tuple, _Record] = SignatureCache()
 
 
 def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
-            q_stride: int | None = None) -> _Record:
+            columns: Columns, q_stride: int | None = None) -> _Record:
     """The launch record of ``call`` (see decode_into), cached per call signature (the
     Geometry stands for it: shapes, strides, dtypes, devices, scale, window and softcap) and
     launch choice. ``q_stride``: the token stride of a query the caller quantized or copied
     itself (kernel_into); None: decode_into's fused launch."""
-    key = (call.geometry, splits, heads, pdl, ctas, q_stride)
+    key = (call.geometry, splits, heads, pdl, ctas, columns, q_stride)
     found = _RECORDS.get(key)
     if found is not None:
         return found
@@ -274,6 +309,20 @@ def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
     if heads not in HEADS_PER_CTA or num_kv_heads % heads:
         raise ValueError(f"heads={heads}: KV heads per CTA must be one of {HEADS_PER_CTA} "
                          f"and divide the {num_kv_heads} KV heads")
+    if columns.tiles == 0 and columns != ONE_TOKEN:
+        raise ValueError(f"columns={columns}: the one-token kernel (tiles 0) serves one query "
+                         "token in one column group")
+    if columns.tiles and (columns.tiles not in COLUMN_TILES or columns.groups < 1 or not (
+            1 <= columns.max_query <= MAX_QUERY) or (
+            columns.groups * columns.tiles * COLUMNS < columns.max_query * g.group)):
+        raise ValueError(f"columns={columns}: n-tiles must be one of {COLUMN_TILES}, max_query "
+                         f"1 to {MAX_QUERY}, and the groups' columns must hold max_query x "
+                         f"{g.group} query heads")
+    if ctas and columns != ONE_TOKEN:
+        raise ValueError("the balanced grid serves one query token per sequence")
+    if columns.tiles and heads != 1:
+        raise ValueError(f"columns={columns}: the short-query kernels run one KV head per CTA "
+                         "(heads=1)")
     counts = 0
     if ctas:
         groups = num_kv_heads // heads
@@ -302,7 +351,8 @@ def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
         0 if query.dtype == torch.bfloat16 else 1,
         sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
             if t.dtype == torch.int64),
-        pdl, g.head_dim, heads, int(quantize), batch, num_kv_heads, splits, ctas,
+        pdl, g.head_dim, heads, int(quantize), *columns, int(call.causal), batch, num_kv_heads,
+        splits, ctas,
         (_I64 * 8)(g.num_tokens, g.num_q_heads, g.group, g.num_blocks, g.max_blocks, page,
                    int(math.log2(page)) if page & (page - 1) == 0 else -1, window),
         (_I64 * 15)(
@@ -346,7 +396,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
-                pdl: int = PDL_OFF, ctas: int = 0) -> None:
+                pdl: int = PDL_OFF, ctas: int = 0, columns: Columns = ONE_TOKEN) -> None:
     """Fill the contiguous ``out`` with the decode of ``call`` in one host call: with an INT8
     key cache the query's quantization first, then the decode grid, then with ``splits`` > 1
     the split combine, all on the current stream, their scratch from the stream's workspace.
@@ -354,10 +404,11 @@ def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
     ``pdl``: PDL_OFF, or (sm_90) PDL_WAIT_FIRST for a 16-bit cache and PDL_AFTER_QUANTIZE
     for an INT8 K cache (the combine then goes as a dependent launch too). ``ctas`` > 0: the
     balanced grid of that many CTAs instead (cuda_decode.balanced_ctas; ``splits`` unused),
-    which merges its own pieces. The call's window_left and softcap go to the kernel as they
-    are, a window longer than the table's capacity clamped to it (it then hides no key
-    either)."""
-    record = _record(call, splits, heads, pdl, ctas)
+    which merges its own pieces. ``columns``: the query tokens per sequence served and how
+    their columns are tiled (columns_for; sequences with more tokens are left to the caller).
+    The call's window_left and softcap go to the kernel as they are, a window longer than
+    the table's capacity clamped to it (it then hides no key either)."""
+    record = _record(call, splits, heads, pdl, ctas, columns)
     index = record.index
     stream = torch._C._cuda_getCurrentRawStream(index)
     query = call.query
@@ -372,12 +423,13 @@ def decode_into(call: PagedCall, out: torch.Tensor, splits: int, heads: int,
         out.data_ptr(), _ptr(workspace), _ptr(counters)))
 
 
-def host_launch(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int) -> dict | None:
+def host_launch(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
+                columns: Columns = ONE_TOKEN) -> dict | None:
     """What the C++ host path (csrc/host/host.cpp) keeps for decode_into's launch of this
     call signature: the record's bytes, the scratch bytes, whether the query is copied, and
     the library's entry points by address. None for the balanced grid, whose counters
     (balanced_counters: per stream, zeroed inside CUDA graphs) stay in Python."""
-    record = _record(call, splits, heads, pdl, ctas)
+    record = _record(call, splits, heads, pdl, ctas, columns)
     if record.counts:
         return None
     lib = library()
@@ -394,19 +446,20 @@ def _address(function: ctypes._CFuncPtr) -> int:
 def kernel_into(call: PagedCall, out: torch.Tensor, q: torch.Tensor,
                 q_scale: torch.Tensor | None, splits: int, heads: int,
                 part_o: torch.Tensor, part_lse: torch.Tensor, pdl: int = PDL_OFF,
-                ctas: int = 0, counters: torch.Tensor | None = None) -> None:
+                ctas: int = 0, counters: torch.Tensor | None = None,
+                columns: Columns = ONE_TOKEN) -> None:
     """The decode grid of ``call`` alone (what the tuning sweeps time): ``q``/``q_scale``
     from quantize_int8 with an INT8 key cache, else the query itself or an aligned copy
     (aligned_rows); with ``splits`` > 1 it writes ``part_o``/``part_lse`` [splits, T, Hq,
     D] and [splits, T, Hq] and leaves the combine to the caller. ``ctas``: as decode_into,
     with ``part_o``/``part_lse`` holding 2 * ctas pieces of heads * group rows and
-    ``counters`` from balanced_counters."""
+    ``counters`` from balanced_counters; ``columns`` as decode_into."""
     if ctas and (counters is None or counters.numel() < call.geometry.batch *
                  call.geometry.num_kv_heads // max(heads, 1)):
         raise ValueError(f"counters must hold one count per sequence and head group "
                          f"({call.geometry.batch * call.geometry.num_kv_heads // max(heads, 1)}"
                          "; balanced_counters)")
-    record = _record(call, splits, heads, pdl, ctas, q_stride=q.stride(0))
+    record = _record(call, splits, heads, pdl, ctas, columns, q_stride=q.stride(0))
     _check(library().pagedfuse_decode(
         record.address, torch._C._cuda_getCurrentRawStream(record.index), q.data_ptr(),
         _ptr(q_scale), call.key_cache.data_ptr(), call.value_cache.data_ptr(),

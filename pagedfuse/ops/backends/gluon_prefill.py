@@ -13,9 +13,10 @@ cannot load and "cp" does not cover is declined with the TMA reason.
 
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
 measured faster (``defers``, ``FASTER``, whose comment has the H200's numbers): 16-bit K/V
-and INT8 K at every head_dim, INT8 K+V at head_dim 128 and 256; triton_prefill keeps INT8
-K+V at 64. Those runs had every sequence's query of one length. The grid sizes its tiles by
-the longest query (``default_plan``); where the sizes do not prove the lengths equal
+and INT8 K at every head_dim, INT8 K+V at head_dim 128 and 256, and at 64 for queries of up
+to 8 tokens (``FASTER_SHORT``); triton_prefill keeps longer INT8 K+V queries at 64. Those
+runs had every sequence's query of one length. The grid sizes its tiles by the longest
+query (``default_plan``); where the sizes do not prove the lengths equal
 (num_tokens = batch x max_query_len, or one sequence: no length is read), the sequences
 short enough for the packed tile of one-token queries get a launch of their own
 (``default_plans``), as triton_prefill's do, and the main launch runs over a list of the
@@ -97,6 +98,12 @@ CTAS_PER_SM = (1, 2)  # three (80 registers) did not compile with INT8 V at head
 # kernels under about 0.4 ms, once kept short queries on triton_prefill.)
 FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 64),
                     ("int8_k", 128), ("int8_k", 256), ("int8_kv", 128), ("int8_kv", 256)})
+# (call.kind, head_dim) where it measured faster for short queries alone (query_bound up to
+# SHORT_QUERY): INT8 K+V at 64, 0.76-0.77x triton_prefill's time at q_len 2, 4 and 8 (B=64,
+# L=8192; probes_h200_2026-12-03_short_columns.json, and 0.77x at q_len 4 in
+# prefill-subset_h200_2026-12-03_short_columns.json), 1.02-1.24x from q_len 64 up
+FASTER_SHORT = frozenset({("int8_kv", 64)})
+SHORT_QUERY = 8
 # (call.kind, head_dim) where its launches for queries that may differ (a packed launch for
 # the short ones, then the main one over its tile list: default_plans, tile_grid) measured
 # at least as fast as triton_prefill's at q_len 4, B=64, L=8192 without length hints on the
@@ -457,9 +464,10 @@ def supports(call: PagedCall) -> str | None:
 
 def slower(call: PagedCall) -> str | None:
     """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind and
-    head_dim (FASTER), or None."""
+    head_dim (FASTER; FASTER_SHORT for queries of up to SHORT_QUERY tokens), or None."""
     g, kind = call.geometry, call.kind
-    if (kind, g.head_dim) not in FASTER:
+    short = isinstance(call.query_bound, int) and call.query_bound <= SHORT_QUERY
+    if (kind, g.head_dim) not in FASTER and not (short and (kind, g.head_dim) in FASTER_SHORT):
         return f"{kind} at head_dim {g.head_dim}: triton_prefill measured as fast or faster"
     if not all(isinstance(n, int) for n in (call.query_bound, g.num_tokens, g.batch)):
         return "query sizes are dynamic: equal query lengths cannot be shown"
