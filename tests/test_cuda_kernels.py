@@ -281,8 +281,8 @@ def test_native_half_decode_copies_a_query_it_cannot_read_in_place():
 
 def test_native_decode_is_built_and_chosen(monkeypatch):
     """On a GPU machine setup.py builds the CUDA C++ library and a decode call of each kind
-    qualifies for it; calls that cannot take it say why (they run a Triton kernel: with more
-    than one query token, the prefill kernel)."""
+    qualifies for it; calls that cannot take it say why (they run another kernel: with more
+    than 8 query tokens, the mixed batch's decode rows and prefill kernel)."""
     assert cuda_native.decode_available(torch.device("cuda")), \
         "pagedfuse._cuda_kernels is not built (pip install -e . with nvcc on PATH)"
     decode = get_backend("cuda_decode")
@@ -300,7 +300,7 @@ def test_native_decode_is_built_and_chosen(monkeypatch):
     assert why(num_q_heads=32, num_kv_heads=2) == "16 query heads per KV head (at most 8)"
     assert why(head_dim=96) == "head_dim 96 not in {64, 128, 256}"
     case = gpu_case(seq_lens=(50, 70), q_lens=(20, 1), kind="int8_kv")
-    assert choose(case.call()).name == "triton_prefill"
+    assert choose(case.call()).name == "mixed_batch"
     monkeypatch.setenv("PAGEDFUSE_BACKEND", "cuda_decode")
     with pytest.raises(ValueError, match="cuda_decode cannot run this call: more than 8 "
                                          "query tokens per sequence"):

@@ -181,9 +181,10 @@ enum Kind : int { kInt8KV = 0, kInt8K = 1, kHalf = 2 };
 // split each head's tiles; 1, 2 and 4 heads are built, and cuda_native.heads_per_cta picks
 // the count per call). Serving several heads, a CTA's warps copy the same token rows at the
 // same time, and fewer CTAs fill a wave. On the H200 at B=64 (2026-11-30, the native sweep
-// of benchmarks/tuning/decode_sweeps.py), 4 heads of 2 warps took INT8 K+V and INT8 K at head_dim 128 1-2.5% under 1 head
-// of 4 warps, and 2 heads of 4 warps every kind at head_dim 256 0.3-2%; bf16 at head_dim
-// 128 and every kind at head_dim 64 were fastest with 1 head of 4 warps.
+// of benchmarks/tuning/decode_sweeps.py), 4 heads of 2 warps took INT8 K+V and INT8 K at
+// head_dim 128 1-2.5% under 1 head of 4 warps, and 2 heads of 4 warps every kind at
+// head_dim 256 0.3-2%; bf16 at head_dim 128 and every kind at head_dim 64 were fastest
+// with 1 head of 4 warps.
 template <int KIND, int D>
 struct Traits {
   static constexpr bool kOneHead = D == 64 || (KIND == kHalf && D == 128);
