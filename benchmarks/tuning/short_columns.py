@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -65,8 +62,7 @@ def decode(path: str) -> None:
 
 
 def _compile(job: tuple) -> str:
-    """Run the prefill kernels of one point once (a worker process): Triton and Gluon
-    compile one specialization at a time per process, the timed run finds them on disk."""
+    """Run the prefill kernels of one point once (bench_prefill.precompile's worker)."""
     g, q_len, kind = job
     call = bp.Case(bp.GEOMETRIES[g], BATCH, LENGTH, q_len, light=True).call(kind)
     for name in ("gluon_prefill", "triton_prefill"):
@@ -79,11 +75,8 @@ def short(path: str) -> None:
     from pagedfuse.ops import cuda_native
     from pagedfuse.ops.backends import cuda_decode
 
-    t = time.time()
-    jobs = [(g, q, k) for g in SHORT_GEOMETRIES for q in Q_LENS for k in bp.KINDS]
-    with ProcessPoolExecutor(12, mp_context=get_context("spawn")) as pool:
-        list(pool.map(_compile, jobs))
-    print(f"compiled in {time.time() - t:.0f} s", flush=True)
+    bp.precompile([(g, q, k) for g in SHORT_GEOMETRIES for q in Q_LENS for k in bp.KINDS],
+                  12, _compile)
     rows = []
     for g in SHORT_GEOMETRIES:
         for q_len in Q_LENS:

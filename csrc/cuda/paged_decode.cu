@@ -215,6 +215,17 @@ struct Traits {
 template <int KIND, int D>
 constexpr int kMaxColumnTiles = D == 64 || (KIND == kInt8KV && D == 128) ? 2 : 1;
 
+// Column c's query token (from the sequence's first) and its query head within the KV
+// head's group, token-major; in the one-token kernel (NT 0) c is the head.
+template <int NT>
+__device__ __forceinline__ int column_token(int c, int group) {
+  return NT > 0 ? c / group : 0;
+}
+template <int NT>
+__device__ __forceinline__ int column_head(int c, int group) {
+  return NT > 0 ? c % group : c;
+}
+
 struct Args {
   const void* q;          // [T, Hq, D], head-contiguous, row stride q_stride_t: int8 from
                           // quantize_int8 (INT8 K) or the 16-bit query
@@ -642,10 +653,10 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
   for (int n = 0; n < kNT; ++n) {
     const int c = col0 + kColumns * n + g;
     if (c < columns) {
-      const int64_t token = kShort ? q_start + c / group : q_start;
+      const int64_t token = q_start + column_token<NT>(c, group);
       const int8_t* q_row =
           static_cast<const int8_t*>(a.q) +
-          (token * a.q_stride_t + (head0 + (kShort ? c % group : c)) * D) * T::kb;
+          (token * a.q_stride_t + (head0 + column_head<NT>(c, group)) * D) * T::kb;
 #pragma unroll
       for (int k = 0; k < KC; ++k) load_global16(q_row + (t + 4 * k) * 16, qf[n] + 4 * k);
     } else {
@@ -660,9 +671,9 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
     for (int h = 0; h < 2; ++h) {
       const int c = col0 + kColumns * n + 2 * t + h;
       if constexpr (kK8) {
-        const int64_t token = kShort ? q_start + c / group : q_start;
+        const int64_t token = q_start + column_token<NT>(c, group);
         qs[n][h] = c < columns ? a.q_scale[token * a.num_q_heads + head0 +
-                                           (kShort ? c % group : c)] * a.scale_log2
+                                           column_head<NT>(c, group)] * a.scale_log2
                                : 0.f;
       } else {
         qs[n][h] = c < columns ? a.scale_log2 : 0.f;
@@ -776,7 +787,8 @@ __device__ __forceinline__ void decode_span(const Args& a, int b, int kvh0, int6
         for (int h = 0; h < 2; ++h) {
           // the column's query position (a padding column's lies past the keys): one token's
           // span ends before any key it must not see
-          const int64_t pos = seq_len - q_len + (col0 + kColumns * n + 2 * t + h) / group;
+          const int64_t pos =
+              seq_len - q_len + column_token<NT>(col0 + kColumns * n + 2 * t + h, group);
           const int64_t keep_hi = kShort && a.causal ? pos - row0 : kTile;  // rows kept
           const int64_t drop_lo = kShort && a.window > 0 ? pos - a.window - row0 : -1;
 #pragma unroll
@@ -955,10 +967,8 @@ __device__ __forceinline__ void split_grid(const Args& a) {
   E* out = static_cast<E*>(a.out);
   decode_span<D, KIND, H, NT, kCap, E>(a, b, kvh0, s.len, s.q_start, q_len, col0, kv_lo, kv_hi,
                                        [&](int slot, int c, int d, float val, float m, float l) {
-    const int64_t row = NT > 0 ? (s.q_start + c / a.group) * a.num_q_heads +
-                                     static_cast<int64_t>(kvh0 + slot) * a.group + c % a.group
-                               : s.q_start * a.num_q_heads +
-                                     static_cast<int64_t>(kvh0 + slot) * a.group + c;
+    const int64_t row = (s.q_start + column_token<NT>(c, a.group)) * a.num_q_heads +
+                        static_cast<int64_t>(kvh0 + slot) * a.group + column_head<NT>(c, a.group);
     if (splits == 1) {
       out[row * D + d] = to_out<E>(val);
     } else {
