@@ -294,16 +294,20 @@ def prefill(case: Case, kind: str, plan=None) -> torch.Tensor:
 
 
 def gluon_prefill(case: Case, kind: str, pipeline: str) -> torch.Tensor:
-    """The Gluon kernel (backend ``gluon_prefill``) on the ``kind`` caches with
-    ``pipeline``'s default plan; a call the backend declines raises with its reason."""
+    """The Gluon kernel (backend ``gluon_prefill``) on the ``kind`` caches: the backend's own
+    launches where ``pipeline`` is its default plan's (for INT8 K+V queries of
+    DEQUANT_V_FROM tokens and more, the dequantized copy of the pages and the INT8 K
+    kernel), else ``pipeline``'s default plan; a call the backend declines raises with its
+    reason."""
     from pagedfuse.ops.backends import gluon_prefill as gb
-    from pagedfuse.ops.gluon_prefill import prefill_into
 
     call = case.call(kind)
     if why := gb.supports(call):
         raise ValueError(f"gluon_prefill declines: {why}")
     out = torch.empty_like(case.q)
-    prefill_into(call, out, gb.make_plan(call, pipeline=pipeline))
+    plan = None if pipeline == gb.default_plan(call).pipeline else gb.make_plan(
+        call, pipeline=pipeline)
+    gb.run(call, out, plan)
     return out
 
 
@@ -969,6 +973,9 @@ def main() -> None:
                 for name, (kind, pv) in KERNELS.items()
                 if not args.methods or name in args.methods]
         precompile(jobs, args.workers)
+        from pagedfuse.ops.backends.gluon_prefill import DEQUANT_V_FROM
+
+        env["dequant_v_from"] = DEQUANT_V_FROM  # the Gluon INT8 K+V entries' copy, from here
         rows = run_cases(args, plans)
         print(table(rows))
         if not args.no_mixed:

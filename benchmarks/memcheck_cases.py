@@ -3,7 +3,8 @@ CUDA C++ decode for each cache kind; q_len > 1 with causal and a bias in the spl
 prefill kernels, quantize, out-of-range block ids; window_left and softcap in the CUDA C++
 decode's split and balanced grids and in the split-KV kernel; short queries (2-8 tokens) in
 the CUDA C++ decode's column tiles and groups; on sm_90 the Gluon prefill
-kernel's pipelines, cache kinds and launches, and mixed_batch) for compute-sanitizer.
+kernel's pipelines, cache kinds and launches, the dequantized copy of INT8 K+V pages for
+long queries, and mixed_batch) for compute-sanitizer.
 `memcheck_cases.py window` (or `gluon`, `short`) runs the window_left / softcap cases (or the
 Gluon kernel's and mixed_batch's, the short queries') alone."""
 import sys
@@ -65,7 +66,7 @@ short_cases = [(dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=
 # (INT8 V; 16-bit at head_dim 256 by default); one consumer with INT8 V; consumers that
 # stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
 # pipeline at page 1; a tile list over 201 sequences (two steps of its search). Then
-# mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks).
+# mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
                causal=True)
 many = (0, 1, 3, 17) * 50 + (130,)
@@ -88,6 +89,12 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
          dict(backend="gluon_prefill")),
         (dict(prefill, head_dim=128, kind="int8_kv"),
          dict(backend="mixed_batch", max_query_len=130))]
+    # INT8 K+V queries of DEQUANT_V_FROM tokens a sequence: the dequantized copy of the
+    # pages (strided caches in HND), then the INT8 K kernel on it
+    gluon_cases += [(dict(seq_lens=(700, 600), q_lens=(600, 520), num_q_heads=16,
+                          num_kv_heads=4, causal=True, head_dim=d, kind="int8_kv",
+                          layout=layout), dict(backend="gluon_prefill"))
+                    for d, layout in ((128, "NHD"), (64, "HND"))]
 window_cases = [
     (dict(seq_lens=(300, 45, 1000), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind,
           window_left=100, softcap=cap),

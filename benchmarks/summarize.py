@@ -176,6 +176,11 @@ def prefill(record: dict) -> tuple[str, str]:
             "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, cuDNN's paged SDPA, "
             "eager gather + SDPA), and for INT8 of SageAttention where it ran. TFLOP/s for "
             "every entry are in the record.")
+    if "dequant_v_from" in env:
+        note += (" The Gluon INT8 K+V entries of queries of "
+                 f"{env['dequant_v_from']} tokens and more run as the backend runs them: a "
+                 "copy of the pages with V dequantized, then the INT8 K kernel (the copy's "
+                 "time included).")
     mixed = [f"{m['geometry']} {m['kind']}: {_ms(m['mixed'])} against {_ms(m['decode part'])} "
              f"+ {_ms(m['prefill part'])} for its parts ({m['vs_sum']:.2f}x)"
              for m in env.get("mixed", []) if "vs_sum" in m]

@@ -68,6 +68,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1: the CUDA C++ decode takes its balanced grid rather than fixed splits (faster "
            "on a batch of one long sequence among short ones; see docs/cuda-decode.md)",
            "python", _flag),
+    EnvVar("PAGEDFUSE_DEQUANT_SCRATCH_MB", "1024",
+           "the most memory (MiB) an INT8 K+V prefill call may take for a copy of its pages "
+           "with V dequantized, on which the Gluon INT8 K kernel runs faster than its INT8 K+V "
+           "kernel (see docs/design.md); a call that needs more, and every call at 0, widens "
+           "V inside the kernel", "python", int),
     EnvVar("PAGEDFUSE_ASSUME_VISIBLE_KEY", "0",
            "1: the rewrite may assume every query row of a compiled program sees at least one "
            "key (true of a serving step, where each query sees itself): on a device whose SDPA "

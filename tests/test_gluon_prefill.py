@@ -214,9 +214,10 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
 @pytest.mark.parametrize(("q_lens", "spec", "hint", "why"), [
     ([2048], {}, None, None),  # one sequence: its query is the longest
     ([512, 512], {}, 512, None),  # 1024 tokens = 2 x 512: every query is 512 long
-    ([512, 512], dict(kind="int8_kv"), None, "1024 tokens in 2 sequences of up to 1024: "
+    ([300, 200], dict(kind="int8_kv"), None, "500 tokens in 2 sequences of up to 500: "
                                              "the query lengths may differ, where it "
                                              "measured slower"),  # no hint
+    ([512, 512], dict(kind="int8_kv"), None, None),  # the dequantized copy: INT8 K's rule
     ([512, 100], dict(kind="int8_kv"), 512, "612 tokens in 2 sequences of up to 512"),
     ([512, 512], {}, None, None),  # INT8 K at 128: as fast with lengths that may differ
     # queries that may differ: two launches (default_plans), where they measured faster
@@ -227,9 +228,10 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([256, 256], {}, 256, None),  # INT8 K at 128 from q_len 2
     ([32], dict(head_dim=64), None, None),  # INT8 K at 64 from q_len 2
     ([4, 4], dict(kind="float"), 4, None),
-    ([2048], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
-                                                      "triton_prefill measured as fast or "
-                                                      "faster"),
+    ([300], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
+                                                     "triton_prefill measured as fast or "
+                                                     "faster"),
+    ([2048], dict(kind="int8_kv", head_dim=64), None, None),  # the copy: INT8 K at 64
     ([8, 8], dict(kind="int8_kv", head_dim=64), 8, None),  # ... but for short queries
     ([9, 9], dict(kind="int8_kv", head_dim=64), 9, "int8_kv at head_dim 64: triton_prefill"),
     ([512], dict(head_dim=64), None, None),
@@ -387,6 +389,124 @@ def test_the_backend_imports_without_triton():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize(("q_lens", "spec", "budget", "taken"), [
+    ([600, 500], dict(kind="int8_kv"), None, True),  # 550 tokens a sequence on average
+    ([600, 300], dict(kind="int8_kv"), None, False),  # 450
+    ([600, 500], dict(kind="int8_kv"), "0", False),  # no copy allowed
+    ([600, 500], dict(kind="int8_kv"), "2", False),  # a copy of 2.13 MiB
+    ([600, 500], dict(kind="int8_kv"), "3", True),
+    ([600, 500], dict(kind="int8_k"), None, False),  # V already 16-bit
+    ([600, 500], dict(kind="float"), None, False),
+])
+def test_long_int8_kv_queries_take_a_dequantized_copy(gb, q_lens, spec, budget, taken,
+                                                       monkeypatch):
+    """dequantizes_v: INT8 K+V only, queries of DEQUANT_V_FROM tokens a sequence on
+    average, a copy within PAGEDFUSE_DEQUANT_SCRATCH_MB; the op's choice then judges the call
+    as the INT8 K kernel it runs."""
+    assert gb.DEQUANT_V_FROM == 512
+    if budget is not None:
+        monkeypatch.setenv("PAGEDFUSE_DEQUANT_SCRATCH_MB", budget)
+    call = _int8k(q_lens, [100, 100], **spec).call(max_query_len=max(q_lens))
+    assert gb.dequantizes_v(call) is taken
+    assert gb.kernel_kind(call) == ("int8_k" if taken else call.kind)
+
+
+def test_the_copy_is_sized_by_the_table_or_the_hint(gb):
+    """compact_pages: the table's width, or the pages the max_seq_len hint allows;
+    compact_bytes: int8 K rows, their float32 scales and V rows in the query's dtype, for
+    every sequence or a number of slots."""
+    case = _int8k([600, 500], [100, 1000], kind="int8_kv", spare_blocks=7)  # 1500 keys
+    call = case.call()
+    assert gb.compact_pages(call) == call.geometry.max_blocks == 94 + 7
+    hinted = case.call(max_seq_len=1500)
+    assert gb.compact_pages(hinted) == 94
+    row = 128 * (1 + 2) + 4  # head_dim 128: int8 K, bf16 V, a float32 scale
+    assert gb.compact_bytes(hinted) == 2 * 94 * 16 * 4 * row
+    assert gb.compact_bytes(hinted, 1) == 94 * 16 * 4 * row
+
+
+@pytest.mark.parametrize(("q_lens", "kind", "budget", "slots"), [
+    ([1] * 60 + [600, 520], "int8_kv", None, 2),  # 1180 tokens: 2 sequences of 512 or more
+    ([1] * 60 + [600, 100], "int8_kv", None, 1),  # 760: one may have 512 (the copy ranks)
+    ([1] * 60 + [300, 100], "int8_kv", None, 0),  # 460: none
+    ([1] * 60 + [600, 520], "int8_k", None, 0),
+    ([1] * 60 + [600, 520], "int8_kv", "0", 0),
+])
+def test_a_mixed_batchs_long_chunks_take_a_copy_of_their_own(gb, q_lens, kind, budget, slots,
+                                                            monkeypatch):
+    """long_query_slots (run_longer's copy): at most num_tokens // DEQUANT_V_FROM sequences,
+    while the average query is short (no copy of every sequence)."""
+    if budget is not None:
+        monkeypatch.setenv("PAGEDFUSE_DEQUANT_SCRATCH_MB", budget)
+    call = _int8k(q_lens, [100] * len(q_lens), kind=kind).call(max_query_len=max(q_lens))
+    assert gb.long_query_slots(call) == slots
+    assert not gb.dequantizes_v(call)
+
+
+# The copy on CPU tensors under Triton's interpreter (a subprocess: the interpreter is chosen
+# when Triton kernels are defined): every page a sequence's keys reach, from strided caches,
+# ids past the cache clamped as the kernels clamp them, V in the query's dtype; and the
+# float64 reference of the copy equals that of the call.
+_COPY_SCRIPT = """
+import math, torch
+from helpers.cases import make_case
+from pagedfuse.ops.backends import gluon_prefill as gb
+from pagedfuse.ops.reference import paged_attention_reference
+from pagedfuse.ops.triton_pages import dequantize_v
+seed = int(torch.randint(1 << 30, ()))
+for spec in (dict(layout="HND", block_size=16, dtype=torch.float32),
+             dict(block_size=1, dtype=torch.bfloat16, index_dtype=torch.int64),
+             dict(block_size=16, dtype=torch.float16, num_blocks=3)):
+    case = make_case(seq_lens=[37, 0, 16, 5], q_lens=[4, 0, 16, 5], kind="int8_kv",
+                     num_q_heads=4, num_kv_heads=2, head_dim=64, causal=True, seed=seed,
+                     spare_blocks=2, **spec)
+    call = case.call()
+    width = gb.compact_pages(call)
+    got = dequantize_v(call, width, 4)
+    g, n = call.geometry, call.geometry.block_size
+    assert got.kind == "int8_k" and got.value_cache.dtype == case.query.dtype
+    assert got.geometry.num_blocks == g.batch * width and got.geometry.max_blocks == width
+    assert torch.equal(got.block_table, torch.arange(g.batch * width).view(g.batch, width).int())
+    ranked = dequantize_v(call, width, 2, min_query_len=5)  # sequences 2 and 3, slots 0 and 1
+    assert torch.equal(ranked.block_table[:2], torch.zeros(2, width, dtype=torch.int32))
+    assert torch.equal(ranked.block_table[2:], got.block_table[:2])
+    for b, length in enumerate(case.seq_lens.tolist()):
+        for j in range(math.ceil(length / n)):
+            blk = min(max(int(case.block_table[b, j]), 0), g.num_blocks - 1)
+            row = b * width + j
+            if b >= 2:
+                assert torch.equal(ranked.value_cache[row - 2 * width], got.value_cache[row])
+                assert torch.equal(ranked.key_cache[row - 2 * width], case.key_cache[blk])
+            assert torch.equal(got.key_cache[row], case.key_cache[blk]), (spec, b, j)
+            assert torch.equal(got.key_scale[row], case.key_scale[blk]), (spec, b, j)
+            want_v = (case.value_cache[blk].float() * case.value_scale[blk][..., None])
+            near = want_v.to(case.query.dtype)  # rounded to nearest even, as on the GPU; the
+            cut = (want_v.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+            v = got.value_cache[row]  # interpreter truncates to bf16
+            ok = (v == near) | ((v == cut) if v.dtype == torch.bfloat16 else False)
+            assert bool(ok.all()), (spec, b, j)
+    ref = lambda c: paged_attention_reference(
+        c.query, c.key_cache, c.value_cache, c.block_table, c.seq_lens, c.query_start_loc,
+        c.scale, c.causal, None, c.key_scale, c.value_scale, compute_dtype=torch.float64)
+    if case.query.dtype == torch.float32:  # V exact in the copy: the same attention
+        torch.testing.assert_close(ref(got), ref(call), rtol=1e-6, atol=1e-6)
+print("copied")
+"""
+
+
+def test_the_dequantized_copy_in_the_interpreter():
+    pytest.importorskip("triton")
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _COPY_SCRIPT], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0 and "copied" in run.stdout, run.stderr[-3000:]
 
 
 # ---- on an sm_90 GPU -------------------------------------------------------------------
@@ -666,6 +786,45 @@ def test_cuda_graph_replays(gb, pipeline, kind):
     case.query.copy_(torch.randn_like(case.query))
     graph.replay()
     tol = numerics.kernel_tolerance(case.query.dtype, kind)
+    assert numerics.rel_err(out, case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("head_dim", "spec"), [
+    (64, {}), (128, {}), (256, dict(num_q_heads=24)),
+    (128, dict(layout="HND", dtype=torch.float16, block_size=32)),
+])
+def test_long_int8_kv_queries_run_on_the_dequantized_copy(gb, head_dim, spec, monkeypatch):
+    """Queries long enough for dequantizes_v: the copy and the INT8 K kernel against the
+    float64 reference (into NaN, and through the op), as close as the kernel that widens V
+    itself (a budget of 0); captured in a CUDA graph, 100 replays give the eager output and
+    a replay reads a changed V cache (the copy is in the graph)."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([1100, 600, 1], [0, 1000, 300], device="cuda", seed=11, kind="int8_kv",
+                  head_dim=head_dim, **spec)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    assert gb.dequantizes_v(call)
+    want = case.reference()
+    tol = numerics.kernel_tolerance(case.query.dtype, "int8_kv")
+    got = case.run_backend(gb.BACKEND, None, **hints)
+    assert numerics.rel_err(got, want) <= tol
+    with monkeypatch.context() as m:
+        m.setenv("PAGEDFUSE_DEQUANT_SCRATCH_MB", "0")
+        widened = case.run_backend(gb.BACKEND, None, **hints)
+    assert numerics.rel_err(widened, want) <= tol
+    monkeypatch.setenv("PAGEDFUSE_BACKEND", NAME)
+    assert numerics.rel_err(case.run_op(**hints), want) <= tol
+    out = torch.full_like(case.query, float("nan"))
+    gb.run(call, out)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gb.run(call, out)
+    assert all(torch.equal(o, eager) for o in replayed(graph, out, 100))
+    case.value_cache.copy_(torch.randint_like(case.value_cache, -127, 128))
+    graph.replay()
     assert numerics.rel_err(out, case.reference()) <= tol
 
 

@@ -132,6 +132,35 @@ def test_mixed_batches_match_the_reference(mb, kind, head_dim):
 
 
 @cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_int8_kv_chunks_beside_decode_rows_take_the_dequantized_copy(mb, head_dim):
+    """Chunks of DEQUANT_V_FROM tokens and more run on a copy of their own pages (ranked
+    among the sequences), a shorter chunk and the decode rows as they are: every row against
+    the reference, into NaN, and from a CUDA graph."""
+    from pagedfuse.ops.backends import get_backend, gluon_prefill
+
+    case = varlen_case([1, 600, 1, 40, 513, 1], [700, 10, 0, 2000, 90, 1], num_q_heads=32,
+                       num_kv_heads=8, head_dim=head_dim, kind="int8_kv")
+    call = case.call(case.longest, case.longest_query)
+    if why := mb.supports(call):
+        pytest.skip(f"mixed_batch declines here: {why}")
+    assert gluon_prefill.long_query_slots(call) == 2 and not gluon_prefill.dequantizes_v(call)
+    want = case.reference()
+    backend = get_backend("mixed_batch")
+    assert rel_err(case.run_backend(backend, None, case.longest, case.longest_query),
+                   want) < 2e-2
+    out = torch.full_like(case.query, float("nan"))
+    backend.run(call, out, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.run(call, out, None)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, want) < 2e-2
+
+
+@cuda
 def test_a_windowed_capped_mixed_batch(mb):
     """Windows and soft caps reach both parts (the decode's rows start at their window)."""
     case = varlen_case([1, 33, 1, 300], [700, 10, 2000, 90], num_q_heads=32, num_kv_heads=8,

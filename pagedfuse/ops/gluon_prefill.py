@@ -85,6 +85,7 @@ and compute capability 9.0 exactly (wgmma). Imported only by the gluon_prefill b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -1176,16 +1177,20 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
 
 
 def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = None,
-                 min_query_len: int = 0) -> None:
+                 min_query_len: int = 0, max_query_len: int = 0) -> None:
     """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call`` (a call the
     backend's ``supports`` takes); ``plan`` (one launch) overrides the default launches
-    (default_plans). Sequences of fewer than ``min_query_len`` query tokens are skipped
-    (their rows left as they are), for a batch whose decode rows another kernel serves."""
+    (default_plans). Sequences of fewer than ``min_query_len`` query tokens, or (if not 0)
+    more than ``max_query_len``, are skipped (their rows left as they are), for a batch
+    whose other rows other launches serve."""
     if plan:
         check_plan(call, plan)
         plans = (plan,)
     else:
         plans = checked_default_plans(call)
+    if max_query_len:
+        plans = tuple(dataclasses.replace(p, max_q=min(p.max_q or max_query_len,
+                                                        max_query_len)) for p in plans)
     if not out.is_contiguous() or tuple(out.shape) != tuple(call.query.shape):
         raise ValueError(f"out: must be contiguous {tuple(call.query.shape)}, got shape "
                          f"{tuple(out.shape)} strides {tuple(out.stride())}")

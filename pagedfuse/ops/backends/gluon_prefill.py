@@ -14,15 +14,19 @@ cannot load and "cp" does not cover is declined with the TMA reason.
 Priority 160, above triton_prefill (150), but the op's own choice takes it only where it
 measured faster (``defers``, ``FASTER``, whose comment has the H200's numbers): 16-bit K/V
 and INT8 K at every head_dim, INT8 K+V at head_dim 128 and 256, and at 64 for queries of up
-to 8 tokens (``FASTER_SHORT``); triton_prefill keeps longer INT8 K+V queries at 64. Those
-runs had every sequence's query of one length. The grid sizes its tiles by the longest
-query (``default_plan``); where the sizes do not prove the lengths equal
-(num_tokens = batch x max_query_len, or one sequence: no length is read), the sequences
-short enough for the packed tile of one-token queries get a launch of their own
-(``default_plans``), as triton_prefill's do, and the main launch runs over a list of the
-tiles that have rows (``tile_grid``). The op's choice takes such a batch only where those
-launches measured as fast (``UNEQUAL_FASTER``: 16-bit K/V, and INT8 K at head_dim 128 and
-256); elsewhere a batch of queries that may differ stays with triton_prefill.
+to 8 tokens (``FASTER_SHORT``); triton_prefill keeps longer INT8 K+V queries at 64 up to
+``DEQUANT_V_FROM`` tokens. Those runs had every sequence's query of one length. INT8 K+V
+queries of DEQUANT_V_FROM tokens a sequence and more run on a copy of the call's pages
+with V dequantized (``dequantizes_v``; ``triton_pages``), where the INT8 K kernel takes
+them; a mixed batch's chunks of that length likewise, on a copy of their own pages
+(``run_longer``). The grid sizes its tiles by the longest query (``default_plan``); where
+the sizes do not prove the lengths equal (num_tokens = batch x max_query_len, or one
+sequence: no length is read), the sequences short enough for the packed tile of one-token
+queries get a launch of their own (``default_plans``), as triton_prefill's do, and the main
+launch runs over a list of the tiles that have rows (``tile_grid``). The op's choice takes
+such a batch only where those launches measured as fast (``UNEQUAL_FASTER``: 16-bit K/V,
+and INT8 K at head_dim 128 and 256); elsewhere a batch of queries that may differ stays with
+triton_prefill.
 PAGEDFUSE_BACKEND=gluon_prefill runs it on every call it supports.
 
 The host-side rules here (which calls it takes, the launch plan) import neither Triton nor
@@ -38,6 +42,7 @@ import importlib.util
 
 import torch
 
+from pagedfuse import envs
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
 from pagedfuse.ops.prefill_plan import NO_CUDA, capability, packed_first, prefill_unsupported
@@ -93,9 +98,10 @@ CTAS_PER_SM = (1, 2)  # three (80 registers) did not compile with INT8 V at head
 # and 256, 0.74-0.93x at 64; INT8 K 0.59-0.76x at 128 and 256 (at q_len 4 with
 # SHORT_INT8_TILES 0.97x at 128), at 64 0.83-0.96x but 1.06x on eight 2K prompts; INT8 K+V
 # 0.60-0.84x at 128 and 256 (q_len 4 at 128: 0.91x). Not INT8 K+V at 64: 0.76x at q_len 4
-# but 1.02-1.24x from 64 up. Those runs had every sequence's query of one length. (Thresholds
-# by q_len, taken from plain calls where an eager Gluon call's 0.26 ms of host time hid the
-# kernels under about 0.4 ms, once kept short queries on triton_prefill.)
+# but 1.02-1.24x from 64 up (from q_len 512 on the copy it is judged as INT8 K: kernel_kind).
+# Those runs had every sequence's query of one length. (Thresholds by q_len, taken from plain
+# calls where an eager Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms,
+# once kept short queries on triton_prefill.)
 FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 64),
                     ("int8_k", 128), ("int8_k", 256), ("int8_kv", 128), ("int8_kv", 256)})
 # (call.kind, head_dim) where it measured faster for short queries alone (query_bound up to
@@ -114,6 +120,18 @@ SHORT_QUERY = 8
 # (1.02-1.04x at 128 over the list, 1.05x without it; 1.22-1.24x at 256)
 UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int8_k", 128),
                             ("int8_k", 256)})
+# INT8 K+V calls of long queries (at least DEQUANT_V_FROM tokens a sequence on average) run
+# the INT8 K kernel over a copy of their pages with V dequantized to the query's dtype
+# (triton_pages.dequantize_v), where the copy fits PAGEDFUSE_DEQUANT_SCRATCH_MB: the kernel
+# then neither widens V tiles in shared memory nor scales each weight by its key's V scale.
+# On the H200, copy included, by CUDA graph replays in turns (bench_prefill.py's cases,
+# benchmarks/results/probes_h200_2026-12-03_dequant_v.json): 0.72-0.78x the time of the INT8
+# K+V kernel at head_dim 128, 0.86-0.91x at 256, 0.80-0.84x at 64 (where it also beat
+# triton_prefill's INT8 K+V but on eight 2K prompts, 1.04x: INT8 K's rule at 64), from q_len
+# 512 up; the copy took 0.009-0.051 ms there, but 0.028-0.095 at q_len 64, a fifth to half of
+# the kernel's time. Errors 1.23-1.26x those of dequantize-then-attend, against the INT8 K+V
+# kernel's 1.21-1.24x (a bf16 V: an fp16 one gave the kernel's)
+DEQUANT_V_FROM = 512
 # Short queries' one-warpgroup tiles (a GQA group's heads x up to 64 // group tokens) with an
 # INT8 K cache: keys per tile and buffers, by (call.kind, head_dim), at two CTAs per SM
 # (ctas_per_sm 2: 128 registers, no spill). At q_len 4, B=64, L=8192 on the H200, interleaved
@@ -462,10 +480,58 @@ def supports(call: PagedCall) -> str | None:
     return prefill_unsupported(call) or call_unsupported(call)
 
 
+def compact_pages(call: PagedCall) -> int:
+    """Pages per sequence of ``call``'s dequantized copy: the table's width, or fewer where
+    the max_seq_len hint bounds the keys."""
+    g = call.geometry
+    return min(g.max_blocks, -(-call.context_bound // g.block_size))
+
+
+def compact_bytes(call: PagedCall, slots: int | None = None) -> int:
+    """Bytes of ``call``'s dequantized copy of ``slots`` sequences (default: all): int8 K,
+    its scales, V in the query's dtype."""
+    g = call.geometry
+    per_row = g.head_dim * (1 + call.query.element_size()) + call.key_scale.element_size()
+    slots = g.batch if slots is None else slots
+    return slots * compact_pages(call) * g.block_size * g.num_kv_heads * per_row
+
+
+def _copy_fits(call: PagedCall, slots: int) -> bool:
+    """An INT8 K+V call of static sizes whose copy of ``slots`` sequences fits the budget."""
+    g = call.geometry
+    return (call.kind == "int8_kv" and all(isinstance(n, int) for n in (
+                g.num_tokens, g.batch, g.max_blocks, call.context_bound))
+            and compact_bytes(call, slots) <= envs.PAGEDFUSE_DEQUANT_SCRATCH_MB << 20)
+
+
+def dequantizes_v(call: PagedCall) -> bool:
+    """Whether ``run`` serves ``call`` (INT8 K+V) on a copy of its pages with V dequantized:
+    queries of DEQUANT_V_FROM tokens a sequence on average, a copy within the budget."""
+    g = call.geometry
+    return (_copy_fits(call, g.batch) and g.num_tokens >= DEQUANT_V_FROM * max(g.batch, 1))
+
+
+def long_query_slots(call: PagedCall) -> int:
+    """How many of ``call``'s sequences may have DEQUANT_V_FROM query tokens or more (the
+    copy ``run_longer`` makes of those), 0 where it makes none: not INT8 K+V, no such
+    sequence possible, or over the budget."""
+    g = call.geometry
+    if not isinstance(g.num_tokens, int) or g.num_tokens < DEQUANT_V_FROM:
+        return 0
+    slots = min(g.batch, g.num_tokens // DEQUANT_V_FROM)
+    return slots if _copy_fits(call, slots) else 0
+
+
+def kernel_kind(call: PagedCall) -> str:
+    """The cache kind the kernel runs ``call`` as: INT8 K for a dequantized copy."""
+    return "int8_k" if dequantizes_v(call) else call.kind
+
+
 def slower(call: PagedCall) -> str | None:
-    """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind and
-    head_dim (FASTER; FASTER_SHORT for queries of up to SHORT_QUERY tokens), or None."""
-    g, kind = call.geometry, call.kind
+    """Why the kernel measured no faster than triton_prefill for ``call``'s cache kind (as
+    it runs it: kernel_kind) and head_dim (FASTER; FASTER_SHORT for queries of up to
+    SHORT_QUERY tokens), or None."""
+    g, kind = call.geometry, kernel_kind(call)
     short = isinstance(call.query_bound, int) and call.query_bound <= SHORT_QUERY
     if (kind, g.head_dim) not in FASTER and not (short and (kind, g.head_dim) in FASTER_SHORT):
         return f"{kind} at head_dim {g.head_dim}: triton_prefill measured as fast or faster"
@@ -477,7 +543,7 @@ def slower(call: PagedCall) -> str | None:
 def takes_unequal_queries(call: PagedCall) -> bool:
     """Whether its launches for queries that may differ (default_plans) measured as fast as
     triton_prefill's for ``call``'s cache kind and head_dim (UNEQUAL_FASTER)."""
-    return (call.kind, call.geometry.head_dim) in UNEQUAL_FASTER
+    return (kernel_kind(call), call.geometry.head_dim) in UNEQUAL_FASTER
 
 
 def defers(call: PagedCall) -> str | None:
@@ -493,21 +559,36 @@ def defers(call: PagedCall) -> str | None:
 
 
 def run(call: PagedCall, out: torch.Tensor, plan: object = None) -> None:
-    """The kernel (imported here: Gluon stays out of the package's import)."""
+    """The kernel (imported here: Gluon stays out of the package's import), on a dequantized
+    copy of an INT8 K+V call's pages where ``dequantizes_v`` says so and no plan is given
+    (a plan is one launch of the kernel on the call as it is)."""
     from pagedfuse.ops.gluon_prefill import prefill_into
 
     if plan is not None and not isinstance(plan, GluonPlan):
         raise TypeError(f"plan: a GluonPlan, got {type(plan).__name__}")
+    if plan is None and dequantizes_v(call):
+        from pagedfuse.ops.triton_pages import dequantize_v
+
+        call = dequantize_v(call, compact_pages(call), call.geometry.batch)
     prefill_into(call, out, plan)
 
 
 def run_longer(call: PagedCall, out: torch.Tensor) -> None:
     """The rows of ``call``'s sequences of two or more query tokens (a mixed batch's
     chunks, whose decode rows another kernel serves): the one-token ones' tiles exit at
-    once."""
+    once. With INT8 K+V, chunks of DEQUANT_V_FROM tokens and more run on a copy of their
+    own pages with V dequantized (``long_query_slots``), the shorter ones as they are."""
     from pagedfuse.ops.gluon_prefill import prefill_into
 
-    prefill_into(call, out, min_query_len=2)
+    slots = long_query_slots(call)
+    if not slots:
+        prefill_into(call, out, min_query_len=2)
+        return
+    from pagedfuse.ops.triton_pages import dequantize_v
+
+    prefill_into(call, out, min_query_len=2, max_query_len=DEQUANT_V_FROM - 1)
+    prefill_into(dequantize_v(call, compact_pages(call), slots, DEQUANT_V_FROM), out,
+                 min_query_len=DEQUANT_V_FROM)
 
 
 BACKEND = register_backend(Backend(
