@@ -4,11 +4,14 @@ gluon_prefill.py), both pipelines: "ws" (warp-specialized, TMA) and "cp" (cp.asy
 On the CPU: which calls it declines and why, which caches the TMA boxes cannot load (and
 that the default plan then takes "cp", or the call is declined where "cp" does not run its
 kind), the launch plans of every cache kind and head dim, their checks and register budget,
-and that the backend module imports without Triton. On an sm_90 GPU (marked ``cuda``):
+which INT8 K+V calls take a dequantized copy of their pages and its size, the copy itself
+under Triton's interpreter, and that the backend module imports without Triton. On an sm_90
+GPU (marked ``cuda``):
 varlen INT8 K batches (q_len 1, 4, 17, 128, 2048 and others, histories 0, 1, 1000 and
 others, causal or not, pages of 1, 16, 32 and 256, NHD and HND, GQA 4 and 8, head_dim 128)
 for each pipeline and tile shape; bf16/fp16 K and V and INT8 K+V at head_dim 64, 128 and
-256 and INT8 K at 64 and 256 on the "ws" kernel; all against the float64 reference into
+256 and INT8 K at 64 and 256 on the "ws" kernel; long INT8 K+V queries on the dequantized
+copy at 64, 128 and 256; all against the float64 reference into
 NaN-poisoned outputs, directly, through the op with PAGEDFUSE_BACKEND and through the shared
 conformance runner; and 100 CUDA graph replays per kind.
 """
@@ -482,9 +485,10 @@ for spec in (dict(layout="HND", block_size=16, dtype=torch.float32),
             assert torch.equal(got.key_cache[row], case.key_cache[blk]), (spec, b, j)
             assert torch.equal(got.key_scale[row], case.key_scale[blk]), (spec, b, j)
             want_v = (case.value_cache[blk].float() * case.value_scale[blk][..., None])
-            near = want_v.to(case.query.dtype)  # rounded to nearest even, as on the GPU; the
+            # rounded to nearest even as on the GPU, or cut as the interpreter casts to bf16
+            near = want_v.to(case.query.dtype)
             cut = (want_v.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-            v = got.value_cache[row]  # interpreter truncates to bf16
+            v = got.value_cache[row]
             ok = (v == near) | ((v == cut) if v.dtype == torch.bfloat16 else False)
             assert bool(ok.all()), (spec, b, j)
     ref = lambda c: paged_attention_reference(
