@@ -4,7 +4,8 @@ INT8 K kernel), with triton_prefill's INT8 K+V beside them; what gluon_prefill's
 DEQUANT_V_FROM and the INT8 K+V entries of FASTER were chosen from.
 
 Each point is a CUDA graph replay (bench_prefill's timer), the variants timed in turns over
-ROUNDS rounds (median), on bench_prefill.py's cases of every geometry, with the error
+ROUNDS rounds (median), on bench_prefill.py's cases of every geometry and two between
+q_len 64 and 512 (BETWEEN), with the error
 against fp32 attention on the unquantized K/V over that of fp32 dequantize-then-attend::
 
     python benchmarks/tuning/dequant_v.py out.json
@@ -27,6 +28,9 @@ import bench_prefill as bp  # noqa: E402
 from pagedfuse import envs  # noqa: E402
 
 ROUNDS = 3
+# between bench_prefill's q_len 64 and 512 cases, where DEQUANT_V_FROM's crossover lies
+# (the 2026-12-03 record has neither)
+BETWEEN = ((16, 4096, 128), (8, 4096, 256))
 
 
 def _runners(call) -> dict:
@@ -55,7 +59,8 @@ def main(path: str) -> None:
 
     rows = []
     for g in bp.GEOMETRIES:
-        for batch, length, q_len in bp.CASES[:-1]:  # q_len 4 is memory-bound: never copied
+        # q_len 4 is memory-bound: never copied
+        for batch, length, q_len in (*bp.CASES[:-1], *BETWEEN):
             case = bp.Case(bp.GEOMETRIES[g], batch, length, q_len)
             refs = bp.references(case)
             call = case.call("int8_kv")
