@@ -125,7 +125,7 @@ UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int
 # (triton_pages.dequantize_v), where the copy fits PAGEDFUSE_DEQUANT_SCRATCH_MB: the kernel
 # then neither widens V tiles in shared memory nor scales each weight by its key's V scale.
 # On the H200, copy included, by CUDA graph replays in turns (bench_prefill.py's cases,
-# benchmarks/results/probes_h200_2026-12-03_dequant_v.json): 0.72-0.78x the time of the INT8
+# benchmarks/results/probes_h200_2026-12-03_dequant_v.json): 0.72-0.83x the time of the INT8
 # K+V kernel at head_dim 128, 0.86-0.91x at 256, 0.80-0.84x at 64 (where it also beat
 # triton_prefill's INT8 K+V but on eight 2K prompts, 1.04x: INT8 K's rule at 64), from q_len
 # 512 up; the copy took 0.009-0.051 ms there, but 0.028-0.095 at q_len 64, a fifth to half of
