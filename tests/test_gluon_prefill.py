@@ -475,6 +475,8 @@ for spec in (dict(layout="HND", block_size=16, dtype=torch.float32),
     ranked = dequantize_v(call, width, 2, min_query_len=5)  # sequences 2 and 3, slots 0 and 1
     assert torch.equal(ranked.block_table[:2], torch.zeros(2, width, dtype=torch.int32))
     assert torch.equal(ranked.block_table[2:], got.block_table[:2])
+    spare = dequantize_v(call, width, 3, min_query_len=5)  # a slot no sequence fills
+    assert torch.equal(spare.block_table, ranked.block_table)
     for b, length in enumerate(case.seq_lens.tolist()):
         for j in range(math.ceil(length / n)):
             blk = min(max(int(case.block_table[b, j]), 0), g.num_blocks - 1)

@@ -1177,12 +1177,14 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
 
 
 def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = None,
-                 min_query_len: int = 0, max_query_len: int = 0) -> None:
+                 min_query_len: int = 0, max_query_len: int = 0,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Fill contiguous ``out`` [T, Hq, D] with the attention of ``call`` (a call the
     backend's ``supports`` takes); ``plan`` (one launch) overrides the default launches
     (default_plans). Sequences of fewer than ``min_query_len`` query tokens, or (if not 0)
     more than ``max_query_len``, are skipped (their rows left as they are), for a batch
-    whose other rows other launches serve."""
+    whose other rows other launches serve. ``quantized``: the INT8 K query as
+    ``quantize_int8`` gives it, where a launch before quantized it."""
     if plan:
         check_plan(call, plan)
         plans = (plan,)
@@ -1197,7 +1199,10 @@ def prefill_into(call: PagedCall, out: torch.Tensor, plan: GluonPlan | None = No
     g = call.geometry
     if g.num_tokens == 0 or g.batch == 0:
         return
-    q, q_scale = quantize_int8(call.query) if call.int8_k else (call.query, None)
+    if not call.int8_k:
+        q, q_scale = call.query, None
+    else:
+        q, q_scale = quantized or quantize_int8(call.query)
     for p in plans:
         launch = launch_args(call, out, p, q, q_scale, min_query_len)
         if all(launch.grid):  # a list bound of 0: no sequence has rows for it

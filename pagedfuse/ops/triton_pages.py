@@ -12,10 +12,11 @@ The copy holds ``width`` pages per sequence, page j of the sequence in slot s at
 s * width + j of the new caches, and its block table says so; pages past a sequence's keys
 are left unwritten (the prefill kernels read no key at or past seq_len). Sequence b has slot
 b, or with ``min_query_len`` only sequences of that many query tokens are copied, each into
-the slot of its rank among them (a mixed batch's long chunks beside its decode rows, which
-are not read: their table rows are 0). Block ids are clamped into the cache as the kernels
-clamp them, so no table value moves a read outside it. One launch, no host
-synchronisation: it captures in a CUDA graph.
+the slot of its rank among them, a program per slot and page (a mixed batch's long chunks
+beside its decode rows, which are not read: their table rows are 0). Block ids are clamped
+into the cache as the kernels clamp them, so no table value moves a read outside it. One
+launch (and a memset of the table with min_query_len), no host synchronisation: it captures
+in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,38 +34,35 @@ ELEMENTS = 8192  # per step of a program: a page (block_size x heads rows of hea
 
 
 @triton.jit
-def _slot(qsl_ptr, b, min_q, RANKED: tl.constexpr, SCAN: tl.constexpr):
-    """Sequence b's slot in the copy, or -1 when it is not copied (fewer than min_q query
-    tokens): with RANKED its rank among the sequences before it that are (SCAN: the batch
-    or more, one vector), else b."""
-    if RANKED:
-        seq = tl.arange(0, SCAN)
-        ok = seq < b
-        q = tl.load(qsl_ptr + seq + 1, mask=ok, other=0) - tl.load(qsl_ptr + seq, mask=ok,
-                                                                    other=0)
-        rank = tl.sum((ok & (q >= min_q)).to(tl.int32))
-        q_b = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
-        slot = tl.where(q_b >= min_q, rank, -1)
-    else:
-        slot = b
-    return slot
+def _ranked(qsl_ptr, slot, batch, min_q, SCAN: tl.constexpr):
+    """The sequence of rank ``slot`` among those of at least min_q query tokens (SCAN: the
+    batch or more, one vector), and whether there is one."""
+    seq = tl.arange(0, SCAN)
+    ok = seq < batch
+    q = tl.load(qsl_ptr + seq + 1, mask=ok, other=0) - tl.load(qsl_ptr + seq, mask=ok, other=0)
+    copied = ok & (q >= min_q)
+    match = copied & (tl.cumsum(copied.to(tl.int32), 0) == slot + 1)
+    return tl.sum(tl.where(match, seq, 0)), tl.sum(match.to(tl.int32)) > 0
 
 
 @triton.jit
 def _compact_kernel(table_ptr, seq_lens_ptr, qsl_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, k_out,
-                    v_out, ks_out, table_out, width, slots, min_q, num_blocks, stride_tb,
+                    v_out, ks_out, table_out, width, batch, min_q, num_blocks, stride_tb,
                     stride_tn, k_sb, k_st, k_sh, k_sd, v_sb, v_st, v_sh, v_sd, ks_sb, ks_st,
                     ks_sh, vs_sb, vs_st, vs_sh, PAGE: tl.constexpr, HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
                     RANKED: tl.constexpr, SCAN: tl.constexpr):
-    """Program (j, b): page j of sequence b into row slot * width + j, if the sequence is
-    copied and the page holds keys."""
-    b = tl.program_id(1)
+    """Program (j, slot): page j of the slot's sequence (with RANKED the one of that rank,
+    if any; else sequence ``slot``) into row slot * width + j, if the page holds keys."""
+    slot = tl.program_id(1)
     j = tl.program_id(0)
-    slot = _slot(qsl_ptr, b, min_q, RANKED, SCAN)
-    copied = (slot >= 0) & (slot < slots)  # (the sizes bound the slots: never past them)
+    if RANKED:
+        b, copied = _ranked(qsl_ptr, slot, batch, min_q, SCAN)
+    else:
+        b, copied = slot, slot >= 0
     row = slot.to(tl.int64) * width + j
-    tl.store(table_out + b.to(tl.int64) * width + j, tl.where(copied, row, 0).to(tl.int32))
+    if copied:
+        tl.store(table_out + b.to(tl.int64) * width + j, row.to(tl.int32))
     seq_len = tl.load(seq_lens_ptr + b)
     if copied & (j * PAGE < seq_len):
         blk = tl.load(table_ptr + b.to(tl.int64) * stride_tb + j * stride_tn).to(tl.int64)
@@ -114,14 +112,16 @@ def dequantize_v(call: PagedCall, width: int, slots: int, min_query_len: int = 0
                     device=dev)
     v = torch.empty(k.shape, dtype=call.query.dtype, device=dev)
     ks = torch.empty(k.shape[:3], dtype=call.key_scale.dtype, device=dev)
-    table = torch.empty((g.batch, width), dtype=torch.int32, device=dev)
-    if g.batch * width:
+    # sequences not copied keep table rows of 0 (a memset; the copy writes the others)
+    table = (torch.zeros if min_query_len else torch.empty)((g.batch, width),
+                                                             dtype=torch.int32, device=dev)
+    if rows:
         block_d = next_power_of_2(g.head_dim)
         per_step = max(1, min(ELEMENTS // block_d,
                               next_power_of_2(g.block_size * g.num_kv_heads)))
-        _compact_kernel[(width, g.batch)](
+        _compact_kernel[(width, slots)](
             call.block_table, call.seq_lens, call.query_start_loc, call.key_cache,
-            call.value_cache, call.key_scale, call.value_scale, k, v, ks, table, width, slots,
+            call.value_cache, call.key_scale, call.value_scale, k, v, ks, table, width, g.batch,
             min_query_len, g.num_blocks, *call.block_table.stride(), *call.key_cache.stride(),
             *call.value_cache.stride(), *call.key_scale.stride(), *call.value_scale.stride(),
             PAGE=g.block_size, HEADS=g.num_kv_heads, HEAD_DIM=g.head_dim, BLOCK_D=block_d,
