@@ -95,6 +95,10 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
                           num_kv_heads=4, causal=True, head_dim=d, kind="int8_kv",
                           layout=layout), dict(backend="gluon_prefill"))
                     for d, layout in ((128, "NHD"), (64, "HND"))]
+    # a mixed batch's long INT8 K+V chunks: a copy of their own pages, ranked
+    gluon_cases += [(dict(seq_lens=(700, 600, 90, 530), q_lens=(1, 600, 1, 520),
+                          num_q_heads=16, num_kv_heads=4, causal=True, head_dim=128,
+                          kind="int8_kv"), dict(backend="mixed_batch", max_query_len=600))]
 window_cases = [
     (dict(seq_lens=(300, 45, 1000), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind,
           window_left=100, softcap=cap),
