@@ -50,7 +50,7 @@ def _runners(call) -> dict:
         "in_kernel": (in_kernel, outs["in_kernel"]),
         "dequant": (lambda: gluon.run(call, outs["dequant"], None), outs["dequant"]),
         "triton": (lambda: triton.run(call, outs["triton"], None), outs["triton"]),
-        "copy_only": (lambda: dequantize_v(call, width), None),
+        "copy_only": (lambda: dequantize_v(call, width, call.geometry.batch), None),
     }
 
 
