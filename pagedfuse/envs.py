@@ -37,6 +37,14 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _mebibytes(raw: str) -> int:
+    """A budget in MiB: a whole number >= 0 (the one switch that takes a number)."""
+    if not raw.strip().isdigit():
+        raise ValueError(f"PAGEDFUSE_DEQUANT_SCRATCH_MB: a whole number of MiB >= 0, got "
+                         f"{raw!r}")
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One switch: ``parse`` turns the raw string (the default when unset) into its value;
@@ -72,7 +80,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "the most memory (MiB) an INT8 K+V prefill call may take for a copy of its pages "
            "with V dequantized, on which the Gluon INT8 K kernel runs faster than its INT8 K+V "
            "kernel (see docs/design.md); a call that needs more, and every call at 0, widens "
-           "V inside the kernel", "python", int),
+           "V inside the kernel", "python", _mebibytes),
     EnvVar("PAGEDFUSE_ASSUME_VISIBLE_KEY", "0",
            "1: the rewrite may assume every query row of a compiled program sees at least one "
            "key (true of a serving step, where each query sees itself): on a device whose SDPA "

@@ -416,6 +416,14 @@ def test_long_int8_kv_queries_take_a_dequantized_copy(gb, q_lens, spec, budget, 
     assert gb.kernel_kind(call) == ("int8_k" if taken else call.kind)
 
 
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5", ""])
+def test_a_budget_that_is_not_a_whole_number_is_refused_by_name(gb, raw, monkeypatch):
+    monkeypatch.setenv("PAGEDFUSE_DEQUANT_SCRATCH_MB", raw)
+    call = _int8k([600, 500], [100, 100], kind="int8_kv").call(max_query_len=600)
+    with pytest.raises(ValueError, match="PAGEDFUSE_DEQUANT_SCRATCH_MB: a whole number"):
+        gb.dequantizes_v(call)
+
+
 def test_the_copy_is_sized_by_the_table_or_the_hint(gb):
     """compact_pages: the table's width, or the pages the max_seq_len hint allows;
     compact_bytes: int8 K rows, their float32 scales and V rows in the query's dtype, for
