@@ -8,7 +8,8 @@ ROUNDS rounds (median), on bench_prefill.py's cases of every geometry and two be
 q_len 64 and 512 (BETWEEN), with the error
 against fp32 attention on the unquantized K/V over that of fp32 dequantize-then-attend::
 
-    python benchmarks/tuning/dequant_v.py out.json
+    python benchmarks/tuning/dequant_v.py out.json [below]  # below: only the cases whose
+        # queries are shorter than DEQUANT_V_FROM
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BETWEEN = ((16, 4096, 128), (8, 4096, 256))
 def _runners(call) -> dict:
     """Zero-argument launches of each way, each into its own output."""
     from pagedfuse.ops.backends import get_backend, gluon_prefill
+    from pagedfuse.ops.gluon_prefill import prefill_into
     from pagedfuse.ops.triton_pages import dequantize_v
 
     gluon, triton = get_backend("gluon_prefill"), get_backend("triton_prefill")
@@ -46,21 +48,26 @@ def _runners(call) -> dict:
         with envs.overridden("PAGEDFUSE_DEQUANT_SCRATCH_MB", "0"):
             gluon.run(call, outs["in_kernel"], None)
 
+    def dequant():  # the copy and the INT8 K kernel on it, at any query length
+        prefill_into(dequantize_v(call, width, call.geometry.batch), outs["dequant"])
+
     return {
         "in_kernel": (in_kernel, outs["in_kernel"]),
-        "dequant": (lambda: gluon.run(call, outs["dequant"], None), outs["dequant"]),
+        "dequant": (dequant, outs["dequant"]),
         "triton": (lambda: triton.run(call, outs["triton"], None), outs["triton"]),
         "copy_only": (lambda: dequantize_v(call, width, call.geometry.batch), None),
     }
 
 
-def main(path: str) -> None:
+def main(path: str, only_below: bool = False) -> None:
     from pagedfuse.ops.backends import gluon_prefill
 
     rows = []
+    # q_len 4 is memory-bound: never copied
+    cases = [c for c in (*bp.CASES[:-1], *BETWEEN)
+             if not only_below or c[2] < gluon_prefill.DEQUANT_V_FROM]
     for g in bp.GEOMETRIES:
-        # q_len 4 is memory-bound: never copied
-        for batch, length, q_len in (*bp.CASES[:-1], *BETWEEN):
+        for batch, length, q_len in cases:
             case = bp.Case(bp.GEOMETRIES[g], batch, length, q_len)
             refs = bp.references(case)
             call = case.call("int8_kv")
@@ -91,4 +98,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["below"])
