@@ -221,7 +221,8 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
                                              "the query lengths may differ, where it "
                                              "measured slower"),  # no hint
     ([512, 512], dict(kind="int8_kv"), None, None),  # the dequantized copy: INT8 K's rule
-    ([512, 100], dict(kind="int8_kv"), 512, "612 tokens in 2 sequences of up to 512"),
+    ([300, 100], dict(kind="int8_kv"), 300, "400 tokens in 2 sequences of up to 300"),
+    ([512, 100], dict(kind="int8_kv"), 512, None),  # 306 a sequence: the copy, INT8 K's rule
     ([512, 512], {}, None, None),  # INT8 K at 128: as fast with lengths that may differ
     # queries that may differ: two launches (default_plans), where they measured faster
     ([4, 3, 1], dict(kind="float", head_dim=256, num_q_heads=24), None, None),
@@ -231,9 +232,10 @@ def test_the_tile_list_holds_every_tile_with_rows(gb, kind, min_query_len):
     ([256, 256], {}, 256, None),  # INT8 K at 128 from q_len 2
     ([32], dict(head_dim=64), None, None),  # INT8 K at 64 from q_len 2
     ([4, 4], dict(kind="float"), 4, None),
-    ([300], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
+    ([200], dict(kind="int8_kv", head_dim=64), None, "int8_kv at head_dim 64: "
                                                      "triton_prefill measured as fast or "
                                                      "faster"),
+    ([300], dict(kind="int8_kv", head_dim=64), None, None),  # the copy: INT8 K at 64
     ([2048], dict(kind="int8_kv", head_dim=64), None, None),  # the copy: INT8 K at 64
     ([8, 8], dict(kind="int8_kv", head_dim=64), 8, None),  # ... but for short queries
     ([9, 9], dict(kind="int8_kv", head_dim=64), 9, "int8_kv at head_dim 64: triton_prefill"),
@@ -396,7 +398,8 @@ def test_the_backend_imports_without_triton():
 
 @pytest.mark.parametrize(("q_lens", "spec", "budget", "taken"), [
     ([600, 500], dict(kind="int8_kv"), None, True),  # 550 tokens a sequence on average
-    ([600, 300], dict(kind="int8_kv"), None, False),  # 450
+    ([300, 220], dict(kind="int8_kv"), None, True),  # 260
+    ([300, 200], dict(kind="int8_kv"), None, False),  # 250
     ([600, 500], dict(kind="int8_kv"), "0", False),  # no copy allowed
     ([600, 500], dict(kind="int8_kv"), "2", False),  # a copy of 2.13 MiB
     ([600, 500], dict(kind="int8_kv"), "3", True),
@@ -408,7 +411,7 @@ def test_long_int8_kv_queries_take_a_dequantized_copy(gb, q_lens, spec, budget, 
     """dequantizes_v: INT8 K+V only, queries of DEQUANT_V_FROM tokens a sequence on
     average, a copy within PAGEDFUSE_DEQUANT_SCRATCH_MB; the op's choice then judges the call
     as the INT8 K kernel it runs."""
-    assert gb.DEQUANT_V_FROM == 512
+    assert gb.DEQUANT_V_FROM == 256
     if budget is not None:
         monkeypatch.setenv("PAGEDFUSE_DEQUANT_SCRATCH_MB", budget)
     call = _int8k(q_lens, [100, 100], **spec).call(max_query_len=max(q_lens))
@@ -439,9 +442,9 @@ def test_the_copy_is_sized_by_the_table_or_the_hint(gb):
 
 
 @pytest.mark.parametrize(("q_lens", "kind", "budget", "slots"), [
-    ([1] * 60 + [600, 520], "int8_kv", None, 2),  # 1180 tokens: 2 sequences of 512 or more
-    ([1] * 60 + [600, 100], "int8_kv", None, 1),  # 760: one may have 512 (the copy ranks)
-    ([1] * 60 + [300, 100], "int8_kv", None, 0),  # 460: none
+    ([1] * 60 + [600, 520], "int8_kv", None, 4),  # 1180 tokens: 4 sequences of 256 or more
+    ([1] * 60 + [300, 100], "int8_kv", None, 1),  # 460: one may have 256 (the copy ranks)
+    ([1] * 60 + [150, 40], "int8_kv", None, 0),  # 250: none
     ([1] * 60 + [600, 520], "int8_k", None, 0),
     ([1] * 60 + [600, 520], "int8_kv", "0", 0),
 ])

@@ -98,7 +98,7 @@ CTAS_PER_SM = (1, 2)  # three (80 registers) did not compile with INT8 V at head
 # and 256, 0.74-0.93x at 64; INT8 K 0.59-0.76x at 128 and 256 (at q_len 4 with
 # SHORT_INT8_TILES 0.97x at 128), at 64 0.83-0.96x but 1.06x on eight 2K prompts; INT8 K+V
 # 0.60-0.84x at 128 and 256 (q_len 4 at 128: 0.91x). Not INT8 K+V at 64: 0.76x at q_len 4
-# but 1.02-1.24x from 64 up (from q_len 512 on the copy it is judged as INT8 K: kernel_kind).
+# but 1.02-1.24x from 64 up (from DEQUANT_V_FROM on the copy it is judged as INT8 K: kernel_kind).
 # Those runs had every sequence's query of one length. (Thresholds by q_len, taken from plain
 # calls where an eager Gluon call's 0.26 ms of host time hid the kernels under about 0.4 ms,
 # once kept short queries on triton_prefill.)
@@ -128,10 +128,13 @@ UNEQUAL_FASTER = frozenset({("float", 64), ("float", 128), ("float", 256), ("int
 # benchmarks/results/probes_h200_2026-12-03_dequant_v.json): 0.72-0.83x the time of the INT8
 # K+V kernel at head_dim 128, 0.86-0.91x at 256, 0.80-0.84x at 64 (where it also beat
 # triton_prefill's INT8 K+V but on eight 2K prompts, 1.04x: INT8 K's rule at 64), from q_len
-# 512 up; the copy took 0.009-0.051 ms there, but 0.028-0.095 at q_len 64, a fifth to half of
-# the kernel's time. Errors 1.23-1.26x those of dequantize-then-attend, against the INT8 K+V
-# kernel's 1.21-1.24x (a bf16 V: an fp16 one gave the kernel's)
-DEQUANT_V_FROM = 512
+# 512 up; the copy took 0.009-0.051 ms there. Below (16 x 128 and 8 x 256 query tokens over
+# 4096 keys, probes_h200_2026-12-03_dequant_v_below.json): at q_len 256 0.84-0.96x the
+# time at every head_dim (and 0.97x triton_prefill's at 64), at 128 0.89-0.98x but 1.06x at
+# head_dim 256, at 64 1.19-1.21x at 128 and 256 (the copy a third of the call's time). Errors
+# 1.23-1.27x those of dequantize-then-attend, against the INT8 K+V kernel's 1.21-1.24x (a
+# bf16 V: an fp16 one gave the kernel's)
+DEQUANT_V_FROM = 256
 # Short queries' one-warpgroup tiles (a GQA group's heads x up to 64 // group tokens) with an
 # INT8 K cache: keys per tile and buffers, by (call.kind, head_dim), at two CTAs per SM
 # (ctas_per_sm 2: 128 registers, no spill). At q_len 4, B=64, L=8192 on the H200, interleaved
