@@ -3,8 +3,8 @@ candidates issue 22 names keeps the error within 1.5x that of dequantize-then-at
 
 Q is quantized per (token, head) and Q·K^T taken exactly in integers with the key scales
 restored per score, as the Gluon kernel does; the softmax is exact (float64, the row's true
-maximum). Only P·V differs (``WAYS``), each over key tiles of BLOCK_N keys, with V's per-token
-scales folded into the weights (P' = p * v_scale) where V stays int8:
+maximum). Only P·V differs (``emulate``'s ways), each over key tiles of BLOCK_N keys, with
+V's per-token scales folded into the weights (P' = p * v_scale) where V stays int8:
 
 - ``fp16 P'``: the INT8 K+V kernel's fp16 P' times V's int8 values widened to fp16 (exact);
 - ``bf16 P, V dequantized``: the dequantized copy's path (V times its scale in bf16, P bf16);
@@ -21,7 +21,7 @@ causal prompt per head_dim and length (as many heads as PAIRS allows), errors
 dequantize-then-attend's::
 
     .venv/bin/python benchmarks/tuning/prefill_pv_precision.py \\
-        --json benchmarks/results/prefill_pv_precision.json
+        --json benchmarks/results/prefill_pv_precision_cpu_DATE.json
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def _tiled(p: torch.Tensor, rounding: Callable, values: torch.Tensor) -> torch.T
 
 
 def emulate(head_dim: int, length: int, heads: int, seed: int) -> dict:
+    """One causal prompt of ``length`` tokens in ``heads`` heads: dequantize-then-attend's
+    error, and each way's as a multiple of it."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(heads, length, head_dim, generator=g).to(torch.bfloat16)
                for _ in "qkv")
