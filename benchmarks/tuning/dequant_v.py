@@ -30,7 +30,7 @@ from pagedfuse import envs  # noqa: E402
 
 ROUNDS = 3
 # between bench_prefill's q_len 64 and 512 cases, where DEQUANT_V_FROM's crossover lies
-# (the 2026-12-03 record has neither)
+# (bench_prefill's cases have none there)
 BETWEEN = ((16, 4096, 128), (8, 4096, 256))
 
 
