@@ -27,7 +27,7 @@ SDPA it replaces).
     python benchmarks/bench_prefill.py --json out.json --plot prefill.png
     python benchmarks/bench_prefill.py --sweep --json sweep.json   # time candidate plans
     python benchmarks/bench_prefill.py --gluon-sweep --json tiles.json  # the Gluon "ws" tiles
-    python benchmarks/bench_prefill.py --gluon-ab sum_mma lazy_max --json ab.json  # switches
+    python benchmarks/bench_prefill.py --gluon-ab sum_mma stages=3 --json ab.json  # switches
     python benchmarks/bench_prefill.py --replot out.json --plot prefill.png   # no GPU
     python benchmarks/bench_prefill.py --no-flex --no-mixed --methods "prefill INT8 K" \
         "gluon INT8 K ws" "gluon INT8 K cp"   # only these entries
@@ -590,19 +590,40 @@ def run_gluon_sweep(args) -> list[dict]:
     return rows
 
 
-def gluon_variants(call, fields: list[str]) -> dict[str, object]:
-    """The Gluon default plan of ``call`` with each combination of the boolean GluonPlan
-    ``fields`` set (named by those set, "none" for none), where check_plan allows it."""
+def ab_switches(items: list[str]) -> dict[str, tuple[str, object]]:
+    """--gluon-ab's switches by name: "FIELD" sets a boolean GluonPlan field, "FIELD=VALUE"
+    any field to that integer."""
+    from pagedfuse.ops.backends.gluon_prefill import GluonPlan
+
+    types = {f.name: f.type for f in dataclasses.fields(GluonPlan)}
+    switches = {}
+    for item in items:
+        field, _, value = item.partition("=")
+        if types.get(field) not in ((bool, "bool") if not value else (int, "int")):
+            raise SystemExit(f"--gluon-ab: {item!r} is not FIELD (a boolean GluonPlan field) or "
+                             f"FIELD=N (an integer one): {sorted(types)}")
+        switches[item] = (field, int(value) if value else True)
+    return switches
+
+
+def gluon_variants(call, items: list[str]) -> dict[str, object]:
+    """The Gluon default plan of ``call`` with each combination of ``items`` (ab_switches)
+    set, at most one per field (named by those set, "none" for none), where check_plan
+    allows it."""
     from pagedfuse.ops.backends import gluon_prefill as gb
 
+    switches = ab_switches(items)
     variants = {}
-    for values in itertools.product((False, True), repeat=len(fields)):
-        flags = dict(zip(fields, values, strict=True))
+    for on in itertools.product((False, True), repeat=len(switches)):
+        chosen = [name for name, set_ in zip(switches, on, strict=True) if set_]
+        overrides = dict(switches[name] for name in chosen)
+        if len(overrides) < len(chosen):  # two values of one field
+            continue
         try:
-            plan = gb.make_plan(call, **flags)
+            plan = gb.make_plan(call, **overrides)
         except ValueError:  # a switch this kind does not have
             continue
-        variants["+".join(f for f in fields if flags[f]) or "none"] = plan
+        variants["+".join(chosen) or "none"] = plan
     return variants
 
 
@@ -622,17 +643,12 @@ def _gluon_ab_job(job: tuple) -> str:
 
 
 def run_gluon_ab(args) -> list[dict]:
-    """Interleaved A/B of GluonPlan switches (``--gluon-ab FIELD ...``) on the default plans:
-    every combination, timed in turns (medians of AB_ROUNDS), with each one's error against
-    fp32 attention; the rows name the plans."""
-    from pagedfuse.ops.backends.gluon_prefill import GluonPlan
+    """Interleaved A/B of GluonPlan switches (``--gluon-ab FIELD[=N] ...``) on the default
+    plans: every combination, timed in turns (medians of AB_ROUNDS), with each one's error
+    against fp32 attention; the rows name the plans."""
     from pagedfuse.ops.gluon_prefill import prefill_into
 
-    switches = {f.name for f in dataclasses.fields(GluonPlan) if f.type in (bool, "bool")}
-    if unknown := sorted(set(args.gluon_ab) - switches):
-        raise SystemExit(f"--gluon-ab: {unknown} are not boolean GluonPlan fields "
-                         f"({sorted(switches)})")
-
+    ab_switches(args.gluon_ab)  # named before any compile
     jobs = [(GEOMETRIES[g], c, kind, args.gluon_ab) for g in args.geometries
             for c in GLUON_SWEEP_CASES for kind in args.kinds]
     precompile(jobs, args.workers, _gluon_ab_job)
@@ -907,9 +923,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the candidate plans")
     ap.add_argument("--gluon-sweep", action="store_true",
                     help="time the Gluon kernel's tiles (keys per step x buffers)")
-    ap.add_argument("--gluon-ab", nargs="+", metavar="FIELD",
+    ap.add_argument("--gluon-ab", nargs="+", metavar="FIELD[=N]",
                     help="time the Gluon default plans with every combination of these "
-                         "boolean GluonPlan fields, interleaved")
+                         "GluonPlan switches (a boolean field, or an integer one's value), "
+                         "interleaved")
     ap.add_argument("--plans", help="a sweep's JSON: run with its best plan per geometry/kind")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES))
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
