@@ -62,8 +62,9 @@ short_cases = [(dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=
                for hq, d, kind in ((32, 64, "int8_kv"), (16, 128, "int8_kv"), (24, 256, "float"))]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
-# head_dim; K and V rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16
-# (INT8 V; 16-bit at head_dim 256 by default); one consumer with INT8 V; consumers that
+# head_dim (16-bit K/V and INT8 K at head_dim 64: 128-row tiles at two CTAs per SM); K and V
+# rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16 (INT8 V; 16-bit
+# at head_dim 256 by default); one consumer with INT8 V; consumers that
 # stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
 # pipeline at page 1; a tile list over 201 sequences (two steps of its search). Then
 # mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
@@ -74,7 +75,8 @@ gluon_cases = []
 if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call()) is None:
     gluon_cases += [(dict(prefill, head_dim=d, kind=kind), dict(backend="gluon_prefill"))
                     for d, kind in ((128, "int8_k"), (64, "int8_kv"), (128, "int8_kv"),
-                                    (256, "int8_kv"), (256, "float"))]
+                                    (256, "int8_kv"), (256, "float"), (64, "float"),
+                                    (64, "int8_k"))]
     rings = dict(backend="gluon_prefill", block_n=64, stages=2, kv_rings=True)
     gluon_cases += [
         (dict(prefill, head_dim=128, block_size=256), rings),

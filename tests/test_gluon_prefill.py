@@ -91,7 +91,8 @@ def test_every_kind_and_head_dim_takes_the_ws_kernel(gb, kind, head_dim):
     """One kernel for every cache kind: the default plan is "ws" with the kind's tiles (the
     fastest measured: four buffers of 64 keys for 16-bit K/V at head_dim 128, two of 64 in
     separate K and V rings at 256), served for both ops."""
-    call = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim).call()
+    call = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim).call(
+        max_seq_len=gb.TWO_CTA_KEYS + 1)  # longer contexts: one CTA per SM
     assert gb.call_unsupported(call) is None
     plan = gb.default_plan(call)
     assert (plan.pipeline, plan.block_m, plan.pack) == ("ws", 128, 1)
@@ -313,10 +314,16 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     total = plan.maxnreg * 128 * (consumers + 1)
     need = 128 * (consumers * gb.CONSUMER_REGS + gb.PRODUCER_REGS)
     assert need <= total <= 65536 and plan.maxnreg % 8 == 0
-    if block_m == 64:  # two CTAs: each within half the file, its consumer above the producer
-        two = gb.GluonPlan(block_m=64, ctas_per_sm=2)
+    two = gb.GluonPlan(block_m=block_m, ctas_per_sm=2)  # each within half the file
+    assert 2 * two.maxnreg * 128 * (consumers + 1) <= 65536 and two.maxnreg % 8 == 0
+    if block_m == 64:  # its consumer above the producer
         assert gb.PRODUCER_REGS < two.maxnreg <= plan.maxnreg
-        assert 2 * two.maxnreg * 256 <= 65536 and two.maxnreg % 8 == 0
+        assert two.worker_regs == (gb.CONSUMER_REGS, gb.PRODUCER_REGS)  # (no consumer 1)
+    else:  # consumer 1 and the producer's warpgroup by setmaxnreg, consumer 0 the rest
+        consumer, producer = two.worker_regs
+        rest = two.maxnreg * (consumers + 1) - consumer - producer
+        assert producer == gb.MIN_REGS and consumer % 8 == 0 and rest % 8 == 0
+        assert abs(rest - consumer) <= 8 and consumer > two.maxnreg
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -333,8 +340,11 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
     (dict(pipeline="cp", own_tiles=True), "plan: own_tiles is for the 'ws' pipeline"),
     (dict(ctas_per_sm=3), "plan: ctas_per_sm 3 not in (1, 2)"),
-    (dict(block_m=128, ctas_per_sm=2), "plan: ctas_per_sm 2 is for the 'ws' pipeline's "
-                                       "64-row tiles"),
+    (dict(block_m=128, ctas_per_sm=2), "plan: ctas_per_sm 2 with block_m 128 runs head_dim "
+                                       "64 only, not 128"),
+    (dict(block_m=128, ctas_per_sm=2, block_n=128, head_dim=64),
+     "plan: ctas_per_sm 2 with block_m 128 takes block_n up to 64, not 128"),
+    (dict(pipeline="cp", ctas_per_sm=2), "plan: ctas_per_sm 2 is for the 'ws' pipeline"),
     (dict(sum_mma=True, kind="int8_kv"), "plan: sum_mma needs a 16-bit V cache"),
     (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
@@ -666,6 +676,31 @@ def test_consumers_that_stop_at_their_own_tiles_change_nothing(gb, kind, kv_ring
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_two_ctas_of_128_rows_match_the_reference(gb, kind):
+    """Long queries' 128-row tiles at two CTAs per SM (head_dim 64): the default plan over
+    short contexts where the kind has one (TWO_CTA_TILES) and 32 and 64 keys per tile, rows'
+    sums on either core, histories of 0 to 1000 keys."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([130, 64, 1, 300, 17], [1000, 0, 5, 37, 1], device="cuda", seed=21,
+                  kind=kind, head_dim=64)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    sums = (False,) if kind == "int8_kv" else (False, True)
+    plans = [gb.make_plan(call, ctas_per_sm=2, block_n=n, stages=st, sum_mma=s)
+             for n, st in ((64, 3), (32, 4), (64, 2)) for s in sums]
+    if kind in gb.TWO_CTA_TILES:
+        plans.append(gb.default_plan(call))
+        assert plans[-1].ctas_per_sm == 2
+    tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
+    want = case.reference()
+    for plan in plans:
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_two_ctas_per_sm_match_the_reference(gb, kind, head_dim):
     """Short queries' one-warpgroup tiles at half the register file (ctas_per_sm 2), in
@@ -685,6 +720,22 @@ def test_two_ctas_per_sm_match_the_reference(gb, kind, head_dim):
         assert plan.block_m == 64
         got = case.run_backend(gb.BACKEND, plan, **hints)
         assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_short_contexts_at_head_dim_64_take_two_ctas_per_sm(gb, kind, head_dim):
+    """Long queries over at most TWO_CTA_KEYS keys a sequence (the hint, else the table's
+    capacity): at head_dim 64 with 16-bit K/V or INT8 K, 128-row tiles at two CTAs per SM
+    with TWO_CTA_TILES; one CTA over longer contexts, at head_dim 128 and with INT8 V."""
+    case = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim)
+    for hint, short in ((None, True), (gb.TWO_CTA_KEYS, True), (gb.TWO_CTA_KEYS + 1, False)):
+        plan = gb.default_plan(case.call(max_seq_len=hint))
+        two = short and head_dim == 64 and kind in gb.TWO_CTA_TILES
+        assert (plan.block_m, plan.ctas_per_sm) == (128, 2 if two else 1), hint
+        if two:
+            assert (plan.block_n, plan.stages, plan.sum_mma) == gb.TWO_CTA_TILES[kind]
+            gb.check_plan(case.call(max_seq_len=hint), plan)
 
 
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])

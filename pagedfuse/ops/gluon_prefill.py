@@ -102,8 +102,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedfuse.ops.backends.gluon_prefill import (
-    CONSUMER_REGS,
-    PRODUCER_REGS,
     GluonPlan,
     check_plan,
     checked_default_plans,
@@ -1165,7 +1163,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         tensors[2:2] = [_q_descriptor(q, plan), _descriptor(kc, box), _descriptor(vc, box)]
         tensors.append(vs)
         strides += _strides(vs, 3)
-        options.update(CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        consumer_regs, producer_regs = plan.worker_regs
+        options.update(CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
                        OWN_TILES=plan.own_tiles, maxnreg=plan.maxnreg)

@@ -89,6 +89,7 @@ WS_TILES = {
 # a 64 x 128 fp32 score tile, P and a 64 x D fp32 accumulator (FA3 gives it 240)
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+MIN_REGS = 24  # setmaxnreg's least
 REGISTER_FILE = 65536  # 32-bit registers per SM on sm_90
 CTAS_PER_SM = (1, 2)  # three (80 registers) did not compile with INT8 V at head_dim 128
 # (call.kind, head_dim) where "ws" measured faster than triton_prefill on the H200 at every
@@ -147,6 +148,22 @@ DEQUANT_V_FROM = 256
 # times these choices at its short case)
 SHORT_INT8_TILES = {("int8_k", 64): (64, 3), ("int8_k", 128): (64, 3),
                     ("int8_kv", 64): (128, 2), ("int8_kv", 128): (64, 3)}
+# Short contexts (every sequence's keys at most TWO_CTA_KEYS: the context bound, the hint or
+# the table's capacity) at head_dim 64 with 128-row tiles: keys per tile, buffers and whether
+# the rows' sums come from the tensor cores, by call.kind, at two CTAs per SM (80 registers a
+# thread at launch: two consumers at 104-112 and the producer's warpgroup at MIN_REGS), so
+# that one CTA's start and end (the first tile's loads, the output's store: a quarter of a
+# CTA's time on eight 2K prompts) run beside another's key loop. On the H200 (tinyllama,
+# CUDA graph replays in turns against one CTA per SM's 128 x 4 with the sums;
+# probes_h200_2026-12-03_two_ctas.json), 64 x 3 without the sums: 16-bit K/V 0.83x the time
+# on 16 prompts of 1K, 0.92x on eight of 2K, 0.98x on 1K chunks over 1K, 0.99x on four 4K
+# prompts; INT8 K 0.78x, 0.85x, 0.89x, 0.91x. Over 8-16K keys (one 8K prompt, chunks) the
+# variants timed there took 0.97-1.20x, the longer key loop paying for the registers it lost
+# (64 x 3 spills 96-192 bytes a thread; 32-key tiles spill none but carry the loop's fixed
+# work twice per key, and trailed 64 x 3 on every short context; 64 x 2 took 1.08-1.47x).
+# Head dim 128 does not compile at 80 registers (ptxas asks for 94)
+TWO_CTA_KEYS = 4096
+TWO_CTA_TILES = {"float": (64, 3, False), "int8_k": (64, 3, False)}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -169,8 +186,9 @@ class GluonPlan:
     grid may run over a list of the tiles that have rows where the sequences' lengths differ
     (``tile_list``, see ``tile_grid``), and the query lengths the launch serves (``min_q``
     to ``max_q``, 0: no upper bound; another launch takes the rest), and the CTAs an SM
-    holds at once by their registers (``ctas_per_sm``: 2 caps a one-warpgroup tile's at half
-    the register file, so that two short queries' tiles share an SM)."""
+    holds at once by their registers (``ctas_per_sm``: 2 caps a CTA's at half the register
+    file, so that two short queries' one-warpgroup tiles, or at head_dim 64 two 128-row
+    tiles over short contexts, share an SM)."""
 
     block_m: int = 128
     pack: int = 1
@@ -201,12 +219,22 @@ class GluonPlan:
     @property
     def maxnreg(self) -> int:
         """"ws": the launch's registers per thread, so that the partitions' setmaxnreg
-        (consumers CONSUMER_REGS, the producer's warpgroup PRODUCER_REGS) fit the CTA's
-        share of the register file (``ctas_per_sm`` of them); consumer 0 gets what the others
-        leave."""
+        (``worker_regs``) fit the CTA's share of the register file (``ctas_per_sm`` of them);
+        consumer 0 gets what the others leave."""
         groups = self.block_m // 64 + 1
         share = ((self.block_m // 64) * CONSUMER_REGS + PRODUCER_REGS) // groups // 8 * 8
         return min(share, REGISTER_FILE // (self.ctas_per_sm * 128 * groups) // 8 * 8)
+
+    @property
+    def worker_regs(self) -> tuple[int, int]:
+        """"ws": setmaxnreg of consumer 1 (CONSUMER_REGS; none with one consumer) and of the
+        producer's warpgroup (PRODUCER_REGS); consumer 0, the launch's default partition, gets
+        the CTA's share they leave. Two CTAs of two consumers an SM split what the producer's
+        warpgroup leaves at setmaxnreg's least (MIN_REGS) between the consumers."""
+        if self.block_m == 64 or self.ctas_per_sm == 1:
+            return CONSUMER_REGS, PRODUCER_REGS
+        consumer = (3 * self.maxnreg - MIN_REGS) // 2 // 8 * 8
+        return consumer, MIN_REGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,12 +331,15 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # llama3_8b's to 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its
     # real entries taking 0.425 ms against 0.353 alone (not located: their loops compile
     # alike), and 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
-    ctas_per_sm = 1
+    ctas_per_sm, sum_mma = 1, v16
     if one_group and (short := SHORT_INT8_TILES.get((call.kind, call.geometry.head_dim))):
         (block_n, stages), ctas_per_sm = short, 2
+    elif (not one_group and call.geometry.head_dim == 64 and call.kind in TWO_CTA_TILES
+          and isinstance(call.context_bound, int) and call.context_bound <= TWO_CTA_KEYS):
+        (block_n, stages, sum_mma), ctas_per_sm = TWO_CTA_TILES[call.kind], 2
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
-                     sum_mma=v16, lazy_max=v16 and call.geometry.head_dim == 256,
+                     sum_mma=sum_mma, lazy_max=v16 and call.geometry.head_dim == 256,
                      own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
@@ -435,10 +466,16 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
                          "serves K and V, which one warp loads)")
     if plan.ctas_per_sm not in CTAS_PER_SM:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} not in {CTAS_PER_SM}")
-    if plan.ctas_per_sm > 1 and (plan.pipeline, plan.block_m) != ("ws", 64):
-        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} is for the 'ws' pipeline's "
-                         "64-row tiles (two consumers' accumulators do not fit a quarter of "
-                         "the register file)")
+    if plan.ctas_per_sm > 1 and plan.pipeline != "ws":
+        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} is for the 'ws' pipeline")
+    if plan.ctas_per_sm > 1 and plan.block_m == 128 and call.geometry.head_dim != 64:
+        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 runs head_dim "
+                         f"64 only, not {call.geometry.head_dim} (two consumers' accumulators "
+                         "do not fit their share of the register file)")
+    if plan.ctas_per_sm > 1 and plan.block_m == 128 and plan.block_n > 64:
+        raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 takes block_n "
+                         f"up to 64, not {plan.block_n} (a consumer's scores and weights do "
+                         "not fit its share of the register file)")
     if plan.min_q < 0 or plan.max_q < 0:
         raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
                          "no bound)")
