@@ -591,8 +591,8 @@ def run_gluon_sweep(args) -> list[dict]:
 
 
 def ab_switches(items: list[str]) -> dict[str, tuple[str, object]]:
-    """--gluon-ab's switches by name: "FIELD" sets a boolean GluonPlan field, "FIELD=VALUE"
-    any field to that integer."""
+    """--gluon-ab's switches by name: "FIELD" sets a boolean GluonPlan field on, "FIELD=N"
+    an integer one to N."""
     from pagedfuse.ops.backends.gluon_prefill import GluonPlan
 
     types = {f.name: f.type for f in dataclasses.fields(GluonPlan)}
