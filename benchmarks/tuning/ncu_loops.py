@@ -60,7 +60,8 @@ def _kind(source: str) -> str:
 
 
 def report(path: str, share: float) -> None:
-    rows = list(csv.reader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     header, body = rows[1], [r for r in rows[2:] if len(r) >= len(rows[1])]
     col = {h: i for i, h in enumerate(header)}
     stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]

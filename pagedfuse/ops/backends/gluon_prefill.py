@@ -231,9 +231,10 @@ class GluonPlan:
         producer's warpgroup (PRODUCER_REGS); consumer 0, the launch's default partition, gets
         the CTA's share they leave. Two CTAs of two consumers an SM split what the producer's
         warpgroup leaves at setmaxnreg's least (MIN_REGS) between the consumers."""
-        if self.block_m == 64 or self.ctas_per_sm == 1:
+        consumers = self.block_m // 64
+        if consumers == 1 or self.ctas_per_sm == 1:
             return CONSUMER_REGS, PRODUCER_REGS
-        consumer = (3 * self.maxnreg - MIN_REGS) // 2 // 8 * 8
+        consumer = (self.maxnreg * (consumers + 1) - MIN_REGS) // consumers // 8 * 8
         return consumer, MIN_REGS
 
 
