@@ -479,7 +479,7 @@ def run_cases(args, plans: dict) -> list[dict]:
     deadline = time.time() + args.budget
     for gname in args.geometries:
         geo = GEOMETRIES[gname]
-        for batch, seq_len, q_len in args.cases:
+        for batch, seq_len, q_len in args.cases or CASES:
             case = Case(geo, batch, seq_len, q_len)
             refs = references(case)
             t_flex = time.time()
@@ -590,34 +590,39 @@ def run_gluon_sweep(args) -> list[dict]:
     return rows
 
 
-def ab_switches(items: list[str]) -> dict[str, tuple[str, object]]:
-    """--gluon-ab's switches by name: "FIELD" sets a boolean GluonPlan field on, "FIELD=N"
-    an integer one to N."""
+def ab_switches(items: list[str]) -> dict[str, dict[str, object]]:
+    """--gluon-ab's switches by name, each the GluonPlan fields it sets: "FIELD" sets a
+    boolean field on, "FIELD=N" an integer one to N, and several joined by commas are one
+    switch (another tile: "ctas_per_sm=1,block_n=128,stages=4,sum_mma")."""
     from pagedfuse.ops.backends.gluon_prefill import GluonPlan
 
     types = {f.name: f.type for f in dataclasses.fields(GluonPlan)}
     switches = {}
     for item in items:
-        field, _, value = item.partition("=")
-        if types.get(field) not in ((bool, "bool") if not value else (int, "int")):
-            raise SystemExit(f"--gluon-ab: {item!r} is not FIELD (a boolean GluonPlan field) or "
-                             f"FIELD=N (an integer one): {sorted(types)}")
-        switches[item] = (field, int(value) if value else True)
+        fields = {}
+        for part in item.split(","):
+            field, _, value = part.partition("=")
+            if types.get(field) not in ((bool, "bool") if not value else (int, "int")):
+                raise SystemExit(f"--gluon-ab: {part!r} of {item!r} is not FIELD (a boolean "
+                                 f"GluonPlan field) or FIELD=N (an integer one): "
+                                 f"{sorted(types)}")
+            fields[field] = int(value) if value else True
+        switches[item] = fields
     return switches
 
 
 def gluon_variants(call, items: list[str]) -> dict[str, object]:
     """The Gluon default plan of ``call`` with each combination of ``items`` (ab_switches)
-    set, at most one per field (named by those set, "none" for none), where check_plan
-    allows it."""
+    set, no field set twice (named by those set, "none" for none), where check_plan allows
+    it."""
     from pagedfuse.ops.backends import gluon_prefill as gb
 
     switches = ab_switches(items)
     variants = {}
     for on in itertools.product((False, True), repeat=len(switches)):
         chosen = [name for name, set_ in zip(switches, on, strict=True) if set_]
-        overrides = dict(switches[name] for name in chosen)
-        if len(overrides) < len(chosen):  # two values of one field
+        overrides = {f: v for name in chosen for f, v in switches[name].items()}
+        if len(overrides) < sum(len(switches[name]) for name in chosen):  # a field set twice
             continue
         try:
             plan = gb.make_plan(call, **overrides)
@@ -649,12 +654,13 @@ def run_gluon_ab(args) -> list[dict]:
     from pagedfuse.ops.gluon_prefill import prefill_into
 
     ab_switches(args.gluon_ab)  # named before any compile
+    shapes = args.cases or GLUON_SWEEP_CASES
     jobs = [(GEOMETRIES[g], c, kind, args.gluon_ab) for g in args.geometries
-            for c in GLUON_SWEEP_CASES for kind in args.kinds]
+            for c in shapes for kind in args.kinds]
     precompile(jobs, args.workers, _gluon_ab_job)
     rows = []
     for gname in args.geometries:
-        for shape in GLUON_SWEEP_CASES:
+        for shape in shapes:
             case = Case(GEOMETRIES[gname], *shape)
             ref = case.tokens(fp32_attention(case.q4, case.k_c, case.v_c, case.scale))
             for kind in args.kinds:
@@ -923,14 +929,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the candidate plans")
     ap.add_argument("--gluon-sweep", action="store_true",
                     help="time the Gluon kernel's tiles (keys per step x buffers)")
-    ap.add_argument("--gluon-ab", nargs="+", metavar="FIELD[=N]",
+    ap.add_argument("--gluon-ab", nargs="+", metavar="FIELD[=N][,FIELD[=N]...]",
                     help="time the Gluon default plans with every combination of these "
-                         "GluonPlan switches (a boolean field, or an integer one's value), "
-                         "interleaved")
+                         "GluonPlan switches (a boolean field, or an integer one's value; "
+                         "fields joined by commas are one switch), interleaved")
     ap.add_argument("--plans", help="a sweep's JSON: run with its best plan per geometry/kind")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES))
     ap.add_argument("--cases", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
-                    default=list(CASES), help="batch,seq_len,q_len ...")
+                    help="batch,seq_len,q_len ... (default: CASES; --gluon-ab: "
+                         "GLUON_SWEEP_CASES)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-mixed", action="store_true",
                     help="skip the mixed batch and the packed batch under a mask")
@@ -962,7 +969,10 @@ def main() -> None:
 
     if args.pv_int8:
         KERNELS.setdefault(*PV_INT8_ENTRY)
-    env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+    # time: which of one day's records is the newest (summarize.py)
+    env = {"date": datetime.date.today().isoformat(),
+           "time": datetime.datetime.now().isoformat(timespec="minutes"),
+           "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__,
            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
            "page": PAGE, "argv": sys.argv[1:], "timing": "graph replay"}
@@ -986,13 +996,15 @@ def main() -> None:
         rows = run_sweep(args) + run_short_sweep(args)
     else:
         jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)), {})
-                for g in args.geometries for c in args.cases
+                for g in args.geometries for c in args.cases or CASES
                 for name, (kind, pv) in KERNELS.items()
                 if not args.methods or name in args.methods]
         precompile(jobs, args.workers)
         from pagedfuse.ops.backends.gluon_prefill import DEQUANT_V_FROM
 
         env["dequant_v_from"] = DEQUANT_V_FROM  # the Gluon INT8 K+V entries' copy, from here
+        # the short queries' byte floor: their K/V bytes at this run's copy bandwidth
+        env["copy_gbs"] = timing.copy_bandwidth() / 1e9
         rows = run_cases(args, plans)
         print(table(rows))
         if not args.no_mixed:

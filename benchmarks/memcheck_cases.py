@@ -54,12 +54,23 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
                 splits=cuda_decode.BALANCED))
           for d, kind in ((128, "int8_kv"), (64, "int8_k"), (256, "float"))]
 # Short queries on the CUDA decode: four n-tiles in two column groups (INT8 K+V at head_dim
-# 64), two n-tiles (INT8 K+V at 128), three column groups of one (16-bit at 256), histories
-# of 0 and 1 key.
-short_cases = [(dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=hq,
-                     num_kv_heads=4, head_dim=d, kind=kind, causal=True),
-                dict(backend="cuda_decode", max_query_len=7, splits=2))
-               for hq, d, kind in ((32, 64, "int8_kv"), (16, 128, "int8_kv"), (24, 256, "float"))]
+# 64), two n-tiles (INT8 K+V at 128; also with 4 KV heads per CTA), column groups of one
+# (INT8 K at 128 with 2 KV heads per CTA; 16-bit at 256, also with 2), histories of 0 and 1
+# key.
+
+
+def short_case(num_q_heads: int, head_dim: int, kind: str, heads: int | None = None):
+    native = {"float": "half"}.get(kind, kind)
+    plan = {} if heads is None else dict(config=cuda_decode.native_config(
+        native, head_dim, 4, 4, torch.device("cuda"), heads, tiles=2 if kind == "int8_kv" else 1))
+    return (dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=num_q_heads,
+                 num_kv_heads=4, head_dim=head_dim, kind=kind, causal=True),
+            dict(backend="cuda_decode", max_query_len=7, splits=2, **plan))
+
+
+short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
+               short_case(16, 128, "int8_kv", 4), short_case(16, 128, "int8_k", 2),
+               short_case(24, 256, "float"), short_case(24, 256, "float", 2)]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim (16-bit K/V and INT8 K at head_dim 64: 128-row tiles at two CTAs per SM); K and V

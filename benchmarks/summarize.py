@@ -135,6 +135,16 @@ def _entry_ms(row: dict) -> str:
     return _ms(row["ms"]) + (" (plain calls)" if row.get("captured") is False else "")
 
 
+def _op_entry(entry: dict | None, q_len: int, env: dict) -> str:
+    """The op's ms, and for a short query (up to 8 tokens, memory-bound) its fraction of the
+    byte floor: its K/V bytes at the run's copy bandwidth."""
+    if entry is None:
+        return "n/a"
+    if q_len > 8 or "copy_gbs" not in env or "kv_gbs" not in entry:
+        return _entry_ms(entry)
+    return f"{_entry_ms(entry)} ({entry['kv_gbs'] / env['copy_gbs']:.0%})"
+
+
 def prefill(record: dict) -> tuple[str, str]:
     env = record["env"]
     ran_on = (f"{env['gpu']}, torch {env['torch']}, Triton {env['triton']}, cuDNN "
@@ -166,16 +176,23 @@ def prefill(record: dict) -> tuple[str, str]:
             if kind != "bf16" and fastest[kind] and "SageAttention" in methods:
                 ratios.append(f"{methods['SageAttention']['ms'] / fastest[kind]:.2f}x Sage")
             cells.append(", ".join(ratios) or "n/a")
+        cells.append(" / ".join(_op_entry(methods.get(f"pagedfuse op {kind}"), q, env)
+                                for kind in ("bf16", "INT8 K+V")))
         rows.append(cells)
     head = ["geometry", "B, L, q", "fastest peer, ms"]
     for kind in kinds:
         head += [f"{kind}: Triton / Gluon, ms", f"{kind}: the faster's speed"]
+    head.append("the op (its own kernel choice): bf16 / INT8 K+V, ms")
     note = (f"{_timing(env)} of the Triton prefill kernel (triton_prefill, the "
             "op's default) and the warp-specialized Gluon kernel (gluon_prefill \"ws\"); "
             "speed as a multiple of pagedfuse's faster bf16 kernel and of the fastest peer "
             "(SDPA cuDNN/flash/efficient on contiguous K/V, FlexAttention, cuDNN's paged SDPA, "
-            "eager gather + SDPA), and for INT8 of SageAttention where it ran. TFLOP/s for "
-            "every entry are in the record.")
+            "eager gather + SDPA), and for INT8 of SageAttention where it ran; the op's own "
+            "time with the kernel it chooses (for q_len 4: the CUDA decode or the Gluon "
+            "kernel), and for q_len 4 its fraction of the K/V byte floor at the run's copy "
+            "bandwidth"
+            + (f" ({env['copy_gbs'] / 1e3:.2f} TB/s)" if "copy_gbs" in env else "")
+            + ". TFLOP/s for every entry are in the record.")
     if "dequant_v_from" in env:
         note += (" The Gluon INT8 K+V entries of queries of "
                  f"{env['dequant_v_from']} tokens and more run as the backend runs them: a "
@@ -469,7 +486,7 @@ SUMMARIES = (
     Summary("GPU decode", "bench_decode.py", "decode_*.json", decode,
             lambda r: r["env"]["date"]),
     Summary("GPU prefill", "bench_prefill.py", "prefill_h200_*.json", prefill,
-            lambda r: r["env"]["date"], skip=("_pv_int8",)),
+            lambda r: r["env"].get("time", r["env"]["date"]), skip=("_pv_int8",)),
     Summary("Gluon prefill tiles", "bench_prefill.py --gluon-sweep", "gluon_tiles_*.json",
             gluon_tiles, lambda r: r["env"]["date"]),
     Summary("Gluon plan switches", "bench_prefill.py --gluon-ab", "gluon_ab_*.json", gluon_ab,
@@ -505,7 +522,7 @@ def section(summary: Summary) -> str:
         ran_on, body = summary.render(record)
         source = (record.get("env") or {}).get("source") if isinstance(
             record.get("env"), dict) else None
-        parts.append(f"**{summary.date(record)}**, {ran_on}. Record: [{_rel(path)}]"
+        parts.append(f"**{summary.date(record)[:10]}**, {ran_on}. Record: [{_rel(path)}]"
                      f"({_rel(path)}).")
         if source:
             parts.append(f"*Carried over: {source}.*")

@@ -312,7 +312,8 @@ def test_native_decode_is_built_and_chosen(monkeypatch):
 # 1 and ~1000 keys past the query, every head_dim, GQA 1/4/6/8, pages 1/16/256, a window
 # and a soft cap, bottom-right causal and not causal. Each runs with the plan's columns (one
 # n-tile where they fit, else two or column groups) and with one n-tile per warp and as many
-# column groups as that takes, each over 1 and 3 splits.
+# column groups as that takes, each with every count of KV heads per CTA built for it, over 1
+# and 3 splits.
 SHORT_CASES = {
     "d128-gqa4-q4": dict(seq_lens=(1004, 5, 4, 70), q_lens=(4, 4, 4, 1), num_q_heads=32,
                          num_kv_heads=8, head_dim=128),
@@ -343,11 +344,31 @@ def test_native_decode_serves_short_queries(name, kind):
     plan = cuda_decode.make_plan(call)
     assert plan.columns.max_query == case.longest_query
     tiled = {plan.columns, _one_tile_columns(call)}
+    g, device = call.geometry, call.device
     for columns in tiled:
-        for splits in (1, 3):
-            out = run(case, "cuda_decode", case.longest, case.longest_query, splits=splits,
-                      columns=columns)
-            assert numerics.rel_err(out, ref) < tol(case), (columns, splits)
+        variant = cuda_native.decode_variant(device, kind, g.head_dim, columns.tiles)
+        for heads in cuda_native.heads_counts(variant, g.num_kv_heads):
+            config = cuda_decode.native_config(kind, g.head_dim, g.num_kv_heads, g.batch,
+                                               device, heads=heads, tiles=columns.tiles)
+            for splits in (1, 3):
+                out = run(case, "cuda_decode", case.longest, case.longest_query, splits=splits,
+                          columns=columns, config=config)
+                assert numerics.rel_err(out, ref) < tol(case), (columns, heads, splits)
+
+
+def test_short_queries_reject_more_heads_per_cta_than_built():
+    """A short-query kernel's KV heads per CTA stop at its Traits' count (1 at head_dim 64):
+    asking for more is a ValueError naming heads, not a launch error."""
+    case = gpu_case(seq_lens=(90, 40), q_lens=(2, 2), num_q_heads=16, num_kv_heads=4,
+                    causal=True)
+    call = case.call(max_query_len=2)
+    columns = cuda_decode.make_plan(call).columns
+    assert cuda_native.decode_variant(call.device, "half", 64, columns.tiles).heads == 1
+    config = cuda_decode.native_config("half", 64, 4, 2, call.device, heads=2,
+                                       tiles=columns.tiles)
+    with pytest.raises(ValueError, match="heads=2: the short-query kernels at head_dim 64 "
+                       "serve at most 1 KV heads per CTA"):
+        run(case, "cuda_decode", max_query_len=2, config=config)
 
 
 def test_short_queries_take_the_columns_built():

@@ -727,16 +727,38 @@ def test_two_ctas_per_sm_match_the_reference(gb, kind, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_short_contexts_at_head_dim_64_take_two_ctas_per_sm(gb, kind, head_dim):
     """Long queries over at most TWO_CTA_KEYS keys a sequence (the hint, else the table's
-    capacity): at head_dim 64 with 16-bit K/V or INT8 K, 128-row tiles at two CTAs per SM
-    with TWO_CTA_TILES; one CTA over longer contexts, at head_dim 128 and with INT8 V."""
+    capacity) whose rows read at most TWO_CTA_MEAN_KEYS keys on average (the context less
+    half the queries): at head_dim 64 with 16-bit K/V or INT8 K, 128-row tiles at two CTAs
+    per SM with TWO_CTA_TILES; one CTA over longer contexts, at head_dim 128 and with INT8
+    V, and for 16-bit K/V whose rows read more than 1536 keys on average."""
     case = _int8k([300, 2], [10, 10], kind=kind, head_dim=head_dim)
-    for hint, short in ((None, True), (gb.TWO_CTA_KEYS, True), (gb.TWO_CTA_KEYS + 1, False)):
-        plan = gb.default_plan(case.call(max_seq_len=hint))
-        two = short and head_dim == 64 and kind in gb.TWO_CTA_TILES
-        assert (plan.block_m, plan.ctas_per_sm) == (128, 2 if two else 1), hint
+    keys = gb.TWO_CTA_KEYS
+    # (max_seq_len, max_query_len, mean keys, two CTAs with 16-bit K/V, with INT8 K)
+    for seq, query, mean, two_float, two_int8_k in (
+            (2048, 2048, 1024, True, True),  # eight 2K prompts
+            (2048, 64, 2016, False, True),  # q_len 64 over 2K keys
+            (keys, keys, 2048, False, True),
+            (keys, 64, 4064, False, True),
+            (keys + 1, keys + 1, 2049, False, False)):  # past TWO_CTA_KEYS
+        call = case.call(max_seq_len=seq, max_query_len=query)
+        assert gb.mean_keys(call) == mean
+        plan = gb.default_plan(call)
+        two = head_dim == 64 and {"float": two_float, "int8_k": two_int8_k}.get(kind, False)
+        assert (plan.block_m, plan.ctas_per_sm) == (128, 2 if two else 1), (seq, query)
         if two:
             assert (plan.block_n, plan.stages, plan.sum_mma) == gb.TWO_CTA_TILES[kind]
-            gb.check_plan(case.call(max_seq_len=hint), plan)
+            gb.check_plan(call, plan)
+    unhinted = gb.default_plan(case.call())  # the table's capacity: a short context
+    two = head_dim == 64 and kind in gb.TWO_CTA_TILES
+    assert unhinted.ctas_per_sm == (2 if two else 1)
+
+
+def test_mean_keys_reads_the_whole_context_where_queries_do_not_end_it(gb):
+    """Not causal (every row reads every key): the mean is the context."""
+    case = _int8k([300, 2], [10, 10], kind="float", head_dim=64)
+    causal = case.call(max_seq_len=2048, max_query_len=2048)
+    assert gb.mean_keys(causal) == 1024
+    assert gb.mean_keys(causal._replace(causal=False)) == 2048
 
 
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])

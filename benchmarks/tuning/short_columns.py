@@ -4,7 +4,8 @@ At B=64, L=8192 (bench_prefill.py's cases), each point a CUDA graph replay (benc
 bench_ms), with the relative difference to triton_prefill's output::
 
     python benchmarks/tuning/short_columns.py short out.json   # q_len 2/4/8: the decode's
-        # column plans (n-tiles x column groups) against the Gluon and Triton prefill kernels
+        # column plans (n-tiles x column groups) with each count of KV heads per CTA built,
+        # against the Gluon and Triton prefill kernels
     python benchmarks/tuning/short_columns.py decode out.json  # q_len 1, the default plan:
         # run it from two trees (PYTHONPATH) in turns to compare two builds
 
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: sha
 import bench_prefill as bp  # noqa: E402
 
 GEOMETRIES = ("llama3_8b", "tinyllama", "qwen35")
-SHORT_GEOMETRIES = ("llama3_8b", "tinyllama")  # qwen35's group of 6 at head_dim 256: groups
 Q_LENS = (2, 4, 8)
 BATCH, LENGTH = 64, 8192
 
@@ -75,10 +75,10 @@ def short(path: str) -> None:
     from pagedfuse.ops import cuda_native
     from pagedfuse.ops.backends import cuda_decode
 
-    bp.precompile([(g, q, k) for g in SHORT_GEOMETRIES for q in Q_LENS for k in bp.KINDS],
+    bp.precompile([(g, q, k) for g in GEOMETRIES for q in Q_LENS for k in bp.KINDS],
                   12, _compile)
     rows = []
-    for g in SHORT_GEOMETRIES:
+    for g in GEOMETRIES:
         for q_len in Q_LENS:
             case = bp.Case(bp.GEOMETRIES[g], BATCH, LENGTH, q_len, light=True)
             for kind in bp.KINDS:
@@ -86,15 +86,27 @@ def short(path: str) -> None:
                 ref_fn, ref = _runner("triton_prefill", call)
                 ref_fn()
                 ref = ref.float().clone()
-                built = cuda_native.decode_variant(
-                    call.device, cuda_native.kind_of(call.key_cache, call.value_cache),
-                    call.geometry.head_dim).max_column_tiles
+                geo = call.geometry
+                native = cuda_native.kind_of(call.key_cache, call.value_cache)
+                built = cuda_native.decode_variant(call.device, native,
+                                                   geo.head_dim).max_column_tiles
                 methods = {}
                 for tiles in (t for t in cuda_native.COLUMN_TILES if t <= built):
-                    columns = cuda_native.columns_for(q_len, call.geometry.group, tiles)
-                    plan = cuda_decode.make_plan(call, columns=columns)
-                    methods[f"decode t{columns.tiles} g{columns.groups} s{plan.splits}"] = (
-                        "cuda_decode", plan)
+                    columns = cuda_native.columns_for(q_len, geo.group, tiles)
+                    variant = cuda_native.decode_variant(call.device, native, geo.head_dim,
+                                                         columns.tiles)
+                    for heads in cuda_native.heads_counts(variant, geo.num_kv_heads):
+                        config = cuda_decode.native_config(
+                            native, geo.head_dim, geo.num_kv_heads, geo.batch * columns.groups,
+                            call.device, heads=heads, tiles=columns.tiles)
+                        plan = cuda_decode.make_plan(call, config=config, columns=columns)
+                        label = (f"decode t{columns.tiles} g{columns.groups} h{heads} "
+                                 f"s{plan.splits}")
+                        methods[label] = ("cuda_decode", plan)
+                default = cuda_decode.make_plan(call)
+                print(f"{g} q{q_len} {kind}: the default plan takes t{default.columns.tiles} "
+                      f"g{default.columns.groups} h{default.config.heads} s{default.splits}",
+                      flush=True)
                 methods["gluon"] = ("gluon_prefill", None)
                 methods["triton"] = ("triton_prefill", None)
                 for label, (name, plan) in methods.items():

@@ -208,7 +208,11 @@ struct Traits {
 // registers for one n-tile already). Four n-tiles at head_dim 64 (255 registers, 2 CTAs of 4
 // warps per SM) took tinyllama's q_len 4 at B=64, L=8192 0.148-0.158 ms, where the Gluon
 // prefill took 0.137-0.150 and two n-tiles at q_len 2 0.113-0.141 (2026-12-03). These
-// kernels serve one KV head per CTA on the split grid. NT = 0 is the one-token kernel: one
+// kernels run on the split grid with 1 up to Traits::heads KV heads per CTA, which
+// cuda_native.heads_per_cta picks as for one token: at B=64, L=8192 four heads a CTA (one
+// wave of 128 CTAs where one head made 3.88 waves) took llama3_8b's INT8 K+V at q_len 4
+// 0.301 ms against 0.324 (86% of the byte floor), at q_len 2 0.277 against 0.294, and its
+// INT8 K at q_len 2 0.388 against 0.396 (2026-12-03). NT = 0 is the one-token kernel: one
 // n-tile of the group's heads, none of the per-column positions, masks and indexing (on the
 // H200 these cost the one-token decode 0-1.3% at B=64, L=8192 when it carried them,
 // 2026-12-03).
@@ -1290,18 +1294,33 @@ cudaError_t resident(Kernel kernel, int* ctas) {
       ctas, kernel, Traits<KIND, D>::warps * 32, smem_bytes<D, KIND>());
 }
 
+// The short-query kernels of NT n-tiles (1 up to kMaxColumnTiles) on the split grid, with
+// l.heads KV heads per CTA: 1, 2 or 4 up to the kind's Traits::heads (only those are built).
+template <int D, int KIND, int NT, typename E>
+cudaError_t launch_short(const Args& a, const Launch& l) {
+  constexpr int kHeads = Traits<KIND, D>::heads;
+  switch (l.heads) {
+    case 1: return launch_grid<D, KIND, 1, NT, E>(a, l);
+    case 2: if constexpr (kHeads >= 2) return launch_grid<D, KIND, 2, NT, E>(a, l);
+      return cudaErrorInvalidValue;
+    case 4: if constexpr (kHeads >= 4) return launch_grid<D, KIND, 4, NT, E>(a, l);
+      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 // The (D, KIND) variants: launch the one-token kernel (l.tiles 0) of l.heads KV heads per CTA
-// (1, 2 or 4) or a short-query kernel of l.tiles n-tiles (1 up to kMaxColumnTiles; one head
-// per CTA, the split grid), or with info set (no launch) write, for l.tiles, that kernel's
-// CTAs per multiprocessor on the split grid (with the tuned KV heads per CTA for one token),
-// warps per CTA, tokens per warp tile, those KV heads per CTA, the one-token kernel's CTAs
-// per multiprocessor on the balanced grid and kMaxColumnTiles to info[0..5].
+// (1, 2 or 4) or a short-query kernel of l.tiles n-tiles (launch_short), or with info set (no
+// launch) write, for l.tiles, that kernel's CTAs per multiprocessor on the split grid (with
+// the tuned KV heads per CTA, Traits::heads), warps per CTA, tokens per warp tile, those KV
+// heads per CTA, the one-token kernel's CTAs per multiprocessor on the balanced grid and
+// kMaxColumnTiles to info[0..5].
 template <int D, int KIND, typename E>
 cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
   using T = Traits<KIND, D>;
   constexpr int kMaxNT = kMaxColumnTiles<KIND, D>;
   if (info != nullptr) {
-    info[1] = T::warps, info[2] = T::tile, info[3] = l.tiles == 0 ? T::heads : 1;
+    info[1] = T::warps, info[2] = T::tile, info[3] = T::heads;
     info[5] = kMaxNT;
     const cudaError_t balanced = resident<D, KIND>(
         paged_decode_kernel<D, KIND, T::heads, 0, true, false, E>, info + 4);
@@ -1310,9 +1329,9 @@ cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
       case 0: return resident<D, KIND>(
           paged_decode_kernel<D, KIND, T::heads, 0, false, false, E>, info);
       case 1: return resident<D, KIND>(
-          paged_decode_kernel<D, KIND, 1, 1, false, false, E>, info);
+          paged_decode_kernel<D, KIND, T::heads, 1, false, false, E>, info);
       case 2: if constexpr (kMaxNT >= 2) return resident<D, KIND>(
-          paged_decode_kernel<D, KIND, 1, 2, false, false, E>, info);
+          paged_decode_kernel<D, KIND, T::heads, 2, false, false, E>, info);
         return cudaErrorInvalidValue;
       default: return cudaErrorInvalidValue;
     }
@@ -1322,14 +1341,12 @@ cudaError_t run_variant(const Args& a, const Launch& l, int* info) {
                      l.ctas % (a.num_kv_heads / l.heads) != 0 || l.tiles != 0)) {
     return cudaErrorInvalidValue;
   }
-  if (l.tiles != 0) {
-    if (l.heads != 1) return cudaErrorInvalidValue;
-    switch (l.tiles) {
-      case 1: return launch_grid<D, KIND, 1, 1, E>(a, l);
-      case 2: if constexpr (kMaxNT >= 2) return launch_grid<D, KIND, 1, 2, E>(a, l);
-        return cudaErrorInvalidValue;
-      default: return cudaErrorInvalidValue;
-    }
+  switch (l.tiles) {
+    case 0: break;
+    case 1: return launch_short<D, KIND, 1, E>(a, l);
+    case 2: if constexpr (kMaxNT >= 2) return launch_short<D, KIND, 2, E>(a, l);
+      return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
   }
   switch (l.heads) {
     case 1: return launch_grid<D, KIND, 1, 0, E>(a, l);

@@ -114,9 +114,10 @@ class Variant(NamedTuple):
     """A built (kind, head_dim) decode kernel, one-token or short-query (Columns.tiles), on
     one device: its CTAs per multiprocessor (registers and shared memory), warps per CTA,
     tokens per warp tile, the most KV heads per CTA the op gives it (the kernel's Traits; 1,
-    2 and 4 are built for one token, 1 for short queries), CTAs per multiprocessor of the
-    one-token balanced-grid kernel (what sizes that grid: cuda.balanced_ctas) and the most
-    n-tiles the short-query kernels have for the kind and head_dim (kMaxColumnTiles)."""
+    2 and 4 are built for one token, up to this count for short queries), CTAs per
+    multiprocessor of the one-token balanced-grid kernel (what sizes that grid:
+    cuda.balanced_ctas) and the most n-tiles the short-query kernels have for the kind and
+    head_dim (kMaxColumnTiles)."""
 
     resident: int
     warps: int
@@ -165,15 +166,20 @@ def columns_for(max_query: int, group: int, max_tiles: int) -> Columns:
     return Columns(max_query, tiles, -(-need // tiles))
 
 
+def heads_counts(variant: Variant, num_kv_heads: int) -> list[int]:
+    """The counts of KV heads per CTA the op may give ``variant``: those of HEADS_PER_CTA up
+    to its tuned count that divide ``num_kv_heads`` (every CTA has whole heads)."""
+    return [h for h in HEADS_PER_CTA if h <= variant.heads and num_kv_heads % h == 0]
+
+
 def heads_per_cta(variant: Variant, num_kv_heads: int, batch: int, sm_count: int) -> int:
-    """KV heads one CTA serves: a power of two up to the variant's tuned count that divides
-    ``num_kv_heads`` (every CTA has whole heads, each with the same number of warps); the
+    """KV heads one CTA serves, of heads_counts (each head with the same number of warps): the
     smallest whose CTAs of one split fit in one wave, else the largest. At the same CTA
     count fewer heads per CTA take fewer splits: on the H200 at B=8, qwen35 with 1 head and
     4 splits was 1-6% faster than with 2 heads and 8, while at B=64 llama3_8b's INT8 caches
     with 4 heads per CTA fit one wave and beat 1 and 2 heads by 1.5-6% (2026-11-30, the
     native sweep of benchmarks/tuning/decode_sweeps.py)."""
-    fits = [h for h in HEADS_PER_CTA if h <= variant.heads and num_kv_heads % h == 0]
+    fits = heads_counts(variant, num_kv_heads)
     slots = variant.resident * sm_count
     return next((h for h in fits if batch * num_kv_heads // h <= slots), fits[-1])
 
@@ -320,9 +326,13 @@ def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
                          f"{g.group} query heads")
     if ctas and columns != ONE_TOKEN:
         raise ValueError("the balanced grid serves one query token per sequence")
-    if columns.tiles and heads != 1:
-        raise ValueError(f"columns={columns}: the short-query kernels run one KV head per CTA "
-                         "(heads=1)")
+    kind = kind_of(call.key_cache, call.value_cache)
+    # the short-query kernels are built for 1 up to their Traits' heads per CTA, which only
+    # the library knows (without it nothing launches anyway)
+    if columns.tiles and library() is not None and heads > (most := decode_variant(
+            call.device, kind, g.head_dim, columns.tiles).heads):
+        raise ValueError(f"heads={heads}: the short-query kernels at head_dim {g.head_dim} "
+                         f"serve at most {most} KV heads per CTA")
     counts = 0
     if ctas:
         groups = num_kv_heads // heads
@@ -347,7 +357,7 @@ def _record(call: PagedCall, splits: int, heads: int, pdl: int, ctas: int,
     window = 0 if call.window_left is None else min(call.window_left, g.max_blocks * page)
     no_scale = (0, 0, 0)
     launch = DecodeLaunch(
-        _index(query.device), KINDS.index(kind_of(key_cache, value_cache)),
+        _index(query.device), KINDS.index(kind),
         0 if query.dtype == torch.bfloat16 else 1,
         sum(1 << i for i, t in enumerate((block_table, call.seq_lens, call.query_start_loc))
             if t.dtype == torch.int64),

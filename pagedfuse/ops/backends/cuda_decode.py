@@ -164,10 +164,11 @@ def defers(call: PagedCall) -> str | None:
     """Why the op's own choice leaves a short query (2 to MAX_QUERY tokens per sequence) to
     the prefill kernels: its columns take several column groups, each reading the K/V
     again. On the H200 at B=64, L=8192 (2026-12-03, benchmarks/results/
-    probes_h200_2026-12-03_short_columns.json) one group took 0.74-1.00x the Gluon prefill's
+    probes_h200_2026-12-03_short_heads.json) one group took 0.65-0.99x the Gluon prefill's
     time wherever it was timed (q_len 2 in every cache kind of llama3_8b and tinyllama;
-    llama3_8b's INT8 K+V at q_len 4 in two n-tiles: 0.79x), and several groups 1.07-3.8x
-    (qwen35's INT8 K+V at q_len 8 in 6 groups: 0.956 ms against 0.393)."""
+    llama3_8b's INT8 K+V at q_len 4 in two n-tiles: 0.71x), and several groups 0.93-3.7x:
+    under 1x only for INT8 K+V in two (qwen35 at q_len 2), 1.15x for llama3_8b's at q_len 8
+    in two, 2.3x for qwen35's at q_len 8 in six (0.954 ms against 0.416)."""
     bound = call.query_bound
     if bound <= 1:
         return None

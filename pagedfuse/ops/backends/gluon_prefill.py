@@ -164,6 +164,15 @@ SHORT_INT8_TILES = {("int8_k", 64): (64, 3), ("int8_k", 128): (64, 3),
 # Head dim 128 does not compile at 80 registers (ptxas asks for 94)
 TWO_CTA_KEYS = 4096
 TWO_CTA_TILES = {"float": (64, 3, False), "int8_k": (64, 3, False)}
+# ... and where a query row reads at most this many keys on average (mean_keys), by kind:
+# 16-bit K/V's long key loops lose more to the registers than the overlap of starts and ends
+# gains. Timed in turns on the H200 (tinyllama, CUDA graph replays; record
+# gluon_ab_h200_2026-12-03_two_ctas_by_keys.json), two CTAs against one took 16-bit K/V
+# 0.91x the time at a mean of 1024 keys (eight 2K prompts) and 0.96x at 992 (q_len 64 over
+# 1K), 1.00x at 2048 (four 4K prompts), but 1.04-1.11x at 2016 (q_len 64 over 2K) and over
+# 4K keys (q_len 64-2048); INT8 K 0.84-0.97x at every mean timed, up to 4064 (q_len 64 over
+# 4K)
+TWO_CTA_MEAN_KEYS = {"float": 1536, "int8_k": TWO_CTA_KEYS}
 # One consumer warpgroup (64 rows) is the launch's default partition and keeps maxnreg's 136
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
@@ -307,6 +316,14 @@ def checked_default_plans(call: PagedCall) -> tuple[GluonPlan, ...]:
     return found
 
 
+def mean_keys(call: PagedCall) -> int:
+    """About the keys a query row reads on average in a sequence of the bounds' sizes: the
+    context less half the queries, which end it (bottom-right causal); else all of it."""
+    if not call.causal or not isinstance(call.query_bound, int):
+        return call.context_bound
+    return call.context_bound - min(call.query_bound, call.context_bound) // 2
+
+
 def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     """default_plan for queries of up to ``query_bound`` tokens."""
     group, queries = call.geometry.group, max(min(query_bound, 128), 1)
@@ -336,7 +353,8 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     if one_group and (short := SHORT_INT8_TILES.get((call.kind, call.geometry.head_dim))):
         (block_n, stages), ctas_per_sm = short, 2
     elif (not one_group and call.geometry.head_dim == 64 and call.kind in TWO_CTA_TILES
-          and isinstance(call.context_bound, int) and call.context_bound <= TWO_CTA_KEYS):
+          and isinstance(call.context_bound, int) and call.context_bound <= TWO_CTA_KEYS
+          and mean_keys(call) <= TWO_CTA_MEAN_KEYS[call.kind]):
         (block_n, stages, sum_mma), ctas_per_sm = TWO_CTA_TILES[call.kind], 2
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
