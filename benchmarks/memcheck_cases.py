@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.cuda_cases import gpu_case, lengths, run
 
+from pagedfuse.ops import cuda_native
 from pagedfuse.ops.backends import cuda_decode, gluon_prefill
 
 cases = [
@@ -60,9 +61,12 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
 
 
 def short_case(num_q_heads: int, head_dim: int, kind: str, heads: int | None = None):
-    native = {"float": "half"}.get(kind, kind)
+    """Up to 7 query tokens of 4 to 8 heads a KV head: more columns than the kernel's n-tiles
+    hold, so its most n-tiles (and column groups) serve them."""
+    native, device = {"float": "half"}.get(kind, kind), torch.device("cuda")
+    tiles = cuda_native.decode_variant(device, native, head_dim).max_column_tiles
     plan = {} if heads is None else dict(config=cuda_decode.native_config(
-        native, head_dim, 4, 4, torch.device("cuda"), heads, tiles=2 if kind == "int8_kv" else 1))
+        native, head_dim, 4, 4, device, heads, tiles=tiles))
     return (dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=num_q_heads,
                  num_kv_heads=4, head_dim=head_dim, kind=kind, causal=True),
             dict(backend="cuda_decode", max_query_len=7, splits=2, **plan))
