@@ -479,7 +479,7 @@ def run_cases(args, plans: dict) -> list[dict]:
     deadline = time.time() + args.budget
     for gname in args.geometries:
         geo = GEOMETRIES[gname]
-        for batch, seq_len, q_len in args.cases or CASES:
+        for batch, seq_len, q_len in args.cases:
             case = Case(geo, batch, seq_len, q_len)
             refs = references(case)
             t_flex = time.time()
@@ -654,13 +654,12 @@ def run_gluon_ab(args) -> list[dict]:
     from pagedfuse.ops.gluon_prefill import prefill_into
 
     ab_switches(args.gluon_ab)  # named before any compile
-    shapes = args.cases or GLUON_SWEEP_CASES
     jobs = [(GEOMETRIES[g], c, kind, args.gluon_ab) for g in args.geometries
-            for c in shapes for kind in args.kinds]
+            for c in args.cases for kind in args.kinds]
     precompile(jobs, args.workers, _gluon_ab_job)
     rows = []
     for gname in args.geometries:
-        for shape in shapes:
+        for shape in args.cases:
             case = Case(GEOMETRIES[gname], *shape)
             ref = case.tokens(fp32_attention(case.q4, case.k_c, case.v_c, case.scale))
             for kind in args.kinds:
@@ -956,6 +955,7 @@ def main() -> None:
                     help="tokens per page of the cases' caches (still in random order)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    args.cases = args.cases or list(GLUON_SWEEP_CASES if args.gluon_ab else CASES)
     _set_page(args.page)
     if args.replot:
         record = json.loads(Path(args.replot).read_text())
@@ -996,7 +996,7 @@ def main() -> None:
         rows = run_sweep(args) + run_short_sweep(args)
     else:
         jobs = [(GEOMETRIES[g], *c, kind, pv, plans.get((GEOMETRIES[g], kind)), {})
-                for g in args.geometries for c in args.cases or CASES
+                for g in args.geometries for c in args.cases
                 for name, (kind, pv) in KERNELS.items()
                 if not args.methods or name in args.methods]
         precompile(jobs, args.workers)
