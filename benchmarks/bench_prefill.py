@@ -592,8 +592,9 @@ def run_gluon_sweep(args) -> list[dict]:
 
 def ab_switches(items: list[str]) -> dict[str, dict[str, object]]:
     """--gluon-ab's switches by name, each the GluonPlan fields it sets: "FIELD" sets a
-    boolean field on, "FIELD=N" an integer one to N, and several joined by commas are one
-    switch (another tile: "ctas_per_sm=1,block_n=128,stages=4,sum_mma")."""
+    boolean field on, "FIELD=N" an integer one to N (a boolean one: 0 off, 1 on), and
+    several joined by commas are one switch (another tile:
+    "ctas_per_sm=1,block_n=128,stages=4,sum_mma"; "split_keys,own_tiles=0")."""
     from pagedfuse.ops.backends.gluon_prefill import GluonPlan
 
     types = {f.name: f.type for f in dataclasses.fields(GluonPlan)}
@@ -602,11 +603,14 @@ def ab_switches(items: list[str]) -> dict[str, dict[str, object]]:
         fields = {}
         for part in item.split(","):
             field, _, value = part.partition("=")
-            if types.get(field) not in ((bool, "bool") if not value else (int, "int")):
-                raise SystemExit(f"--gluon-ab: {part!r} of {item!r} is not FIELD (a boolean "
-                                 f"GluonPlan field) or FIELD=N (an integer one): "
+            kind = types.get(field)
+            boolean = kind in (bool, "bool")
+            if not (boolean and value in ("", "0", "1")
+                    or kind in (int, "int") and value.isdigit()):
+                raise SystemExit(f"--gluon-ab: {part!r} of {item!r} is not FIELD or FIELD=0/1 "
+                                 f"(a boolean GluonPlan field) or FIELD=N (an integer one): "
                                  f"{sorted(types)}")
-            fields[field] = int(value) if value else True
+            fields[field] = value != "0" if boolean else int(value)
         switches[item] = fields
     return switches
 
