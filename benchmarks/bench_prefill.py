@@ -594,7 +594,7 @@ def ab_switches(items: list[str]) -> dict[str, dict[str, object]]:
     """--gluon-ab's switches by name, each the GluonPlan fields it sets: "FIELD" sets a
     boolean field on, "FIELD=N" an integer one to N (a boolean one: 0 off, 1 on), and
     several joined by commas are one switch (another tile:
-    "ctas_per_sm=1,block_n=128,stages=4,sum_mma"; "split_keys,own_tiles=0")."""
+    "ctas_per_sm=1,block_n=128,stages=4,sum_mma"; the default's off: "own_tiles=0")."""
     from pagedfuse.ops.backends.gluon_prefill import GluonPlan
 
     types = {f.name: f.type for f in dataclasses.fields(GluonPlan)}

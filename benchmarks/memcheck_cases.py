@@ -79,12 +79,10 @@ short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim (16-bit K/V and INT8 K at head_dim 64: 128-row tiles at two CTAs per SM); K and V
 # rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16 (INT8 V; 16-bit
-# at head_dim 256 by default); one consumer with INT8 V; consumers that stop at their own
-# tiles with INT8 V (two buffers of 64 keys); the cp pipeline at page 1; consumers that
-# share out the key tiles of one 64-row tile (split_keys: INT8 K+V at 256, 16-bit at 128
-# with the query by TMA, INT8 K at 64 at two CTAs per SM); a tile list over 201 sequences
-# (two steps of its search). Then mixed_batch (the CUDA decode's rows, the Gluon kernel's
-# chunks), and the dequantized copy.
+# at head_dim 256 by default); one consumer with INT8 V; consumers that
+# stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
+# pipeline at page 1; a tile list over 201 sequences (two steps of its search). Then
+# mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
                causal=True)
 many = (0, 1, 3, 17) * 50 + (130,)
@@ -95,8 +93,6 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
                                     (256, "int8_kv"), (256, "float"), (64, "float"),
                                     (64, "int8_k"))]
     rings = dict(backend="gluon_prefill", block_n=64, stages=2, kv_rings=True)
-    split = dict(backend="gluon_prefill", block_m=128, split_keys=True, own_tiles=False,
-                 ctas_per_sm=1)
     gluon_cases += [
         (dict(prefill, head_dim=128, block_size=256), rings),
         (dict(prefill, head_dim=128, kind="int8_kv", block_size=256), rings),
@@ -106,10 +102,6 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
          dict(backend="gluon_prefill", block_n=64, stages=2, own_tiles=True)),
         (dict(prefill, head_dim=128, kind="int8_k", block_size=1),
          dict(backend="gluon_prefill", pipeline="cp")),
-        (dict(prefill, head_dim=256, kind="int8_kv", q_lens=(4, 17, 1)), split),
-        (dict(prefill, head_dim=128, q_lens=(4, 17, 1)), dict(split, pack=1)),
-        (dict(prefill, head_dim=64, kind="int8_k"),
-         dict(split, ctas_per_sm=2, block_n=64, stages=3)),
         (dict(prefill, head_dim=128, q_lens=many, seq_lens=tuple(q + 20 for q in many)),
          dict(backend="gluon_prefill")),
         (dict(prefill, head_dim=128, kind="int8_kv"),

@@ -350,18 +350,6 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
                                      "to 128, not 256"),
-    (dict(block_m=64, split_keys=True, own_tiles=False),
-     "plan: split_keys needs the 'ws' pipeline's two consumers (block_m 128), not 'ws' with "
-     "block_m 64"),
-    (dict(block_m=128, ctas_per_sm=1, split_keys=True, own_tiles=True),
-     "plan: split_keys shares the key tiles out between the consumers itself; own_tiles must "
-     "be off"),
-    (dict(block_m=128, ctas_per_sm=1, split_keys=True, own_tiles=False, block_n=32, stages=3),
-     "plan: split_keys merges 64 fp32 rows through the V buffers, which hold 96 16-bit rows "
-     "at block_n 32 and stages 3 (128 needed)"),
-    (dict(block_m=128, ctas_per_sm=1, split_keys=True, own_tiles=False, block_n=32, stages=4,
-          kind="int8_kv"),
-     "plan: split_keys merges 64 fp32 rows through the V buffers, which hold 64 16-bit rows"),
 ])
 def test_bad_plans_are_refused_by_name(gb, overrides, message):
     plan = {k: v for k, v in overrides.items() if k not in ("head_dim", "kind")}
@@ -788,16 +776,6 @@ def test_short_int8_tiles_take_two_ctas_per_sm(gb, kind, head_dim):
         assert (plan.block_n, plan.stages) == short and plan.maxnreg == 128
 
 
-def test_split_keys_tiles_hold_one_consumers_rows(gb):
-    """split_keys: a tile is 64 rows (one consumer's, which both read), so a 40-token query
-    of pack 4 takes four tiles' CTAs where 128 rows would take two."""
-    call = _int8k([40, 3], [100, 0], kind="int8_kv", num_q_heads=16).call(max_query_len=40)
-    plan = gb.make_plan(call, block_m=128, pack=4, split_keys=True, own_tiles=False)
-    assert (plan.rows, plan.tokens) == (64, 16)
-    assert gb.tile_grid(call, plan).per_sequence == 3
-    assert gb.tile_grid(call, dataclasses.replace(plan, split_keys=False)).per_sequence == 2
-
-
 def _keys_scaled_per_page(case, top: float, seed: int):
     """``case`` (on the CPU) with each page's keys times its own factor, log-uniform in [1,
     top]: along a row's keys its maximum score jumps by more than LAZY_LOG2 at some tiles
@@ -809,33 +787,6 @@ def _keys_scaled_per_page(case, top: float, seed: int):
     if case.key_scale is not None:
         key, key_scale = quantized(key_float)
     return dataclasses.replace(case, key_cache=key, key_scale=key_scale, key_float=key_float)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_split_keys_match_the_reference(gb, kind, head_dim):
-    """The two consumers over alternate key tiles of one 64-row tile, merged at the end
-    (split_keys): short queries packed over a GQA group and a 40-token one, histories from 0
-    (one key tile: consumer 1 reads none) to 1000 (odd and even tile counts), with one ring
-    and with K and V rings, the query by TMA (pack 1 with a 16-bit one), and at head_dim 64
-    two CTAs per SM."""
-    if why := _gpu_ready(gb):
-        pytest.skip(why)
-    case = _int8k([4, 2, 4, 1, 3, 40], [1000, 0, 37, 5, 300, 100], device="cuda", seed=13,
-                  kind=kind, head_dim=head_dim, num_q_heads=24 if head_dim == 256 else 16)
-    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
-    call = case.call(**hints)
-    split = dict(block_m=128, split_keys=True, own_tiles=False, ctas_per_sm=1)
-    variants = [dict(), dict(block_n=64, stages=2, kv_rings=True), dict(pack=1)]
-    if head_dim == 64:
-        variants.append(dict(block_n=64, stages=3, ctas_per_sm=2))
-    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
-    want = case.reference()
-    for variant in variants:
-        plan = gb.make_plan(call, **(split | variant))
-        got = case.run_backend(gb.BACKEND, plan, **hints)
-        assert numerics.rel_err(got, want) <= tol, plan
 
 
 @pytest.mark.cuda

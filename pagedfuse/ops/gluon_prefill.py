@@ -101,7 +101,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pagedfuse.ops.backends.gluon_prefill import WG_ROWS as CONSUMER_ROWS
 from pagedfuse.ops.backends.gluon_prefill import (
     GluonPlan,
     check_plan,
@@ -117,7 +116,7 @@ from pagedfuse.ops.triton_quantize import quantize_int8
 
 MAGIC = gl.constexpr(0x4B400000)  # the bits of the float 1.5 * 2**23
 MAGIC_F = gl.constexpr(12582912.0)
-WG_ROWS = gl.constexpr(CONSUMER_ROWS)  # query rows per consumer warpgroup of "ws"
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup of the "ws" kernel
 # "ws" with an INT8 V cache: the widener's warps (they share the producer warp's warpgroup
 # and its registers, warps that Triton otherwise pads that warpgroup with) and its fp16
 # copies of V tiles, shared by the consumers (one being read while the next is written)
@@ -707,21 +706,15 @@ def _wait_pv(acc_tok, l_tok, p16, TENSOR_SUMS: gl.constexpr):
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr,
-              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, SPLIT_KEYS: gl.constexpr):
+              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over the CTA's key tiles, or
-    with OWN_TILES those its own rows read; with SPLIT_KEYS rows [0, 64) over the key tiles
-    j = WG mod 2, consumer 1 handing its sums to consumer 0, which stores the merged rows
-    (``args``: one tuple for both consumers, since a partition's arguments cannot be
-    spliced)."""
+    with OWN_TILES those its own rows read (``args``: one tuple for both consumers, since a
+    partition's arguments cannot be spliced)."""
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
-     stride_qsh, q_desc, q_ready, ones_smem, merge) = args
-    TOKENS: gl.constexpr = WG_ROWS * (1 if SPLIT_KEYS else CONSUMERS) // PACK
-    ROW0: gl.constexpr = 0 if SPLIT_KEYS else WG * WG_ROWS
-    # the consumer's key tiles: FIRST, FIRST + STEP, ...
-    FIRST: gl.constexpr = WG if SPLIT_KEYS else 0
-    STEP: gl.constexpr = CONSUMERS if SPLIT_KEYS else 1
+     stride_qsh, q_desc, q_ready, ones_smem) = args
+    TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
     # Q·K^T: int8 (k32) with an int8 query, else 16-bit (k16); P·V: V's type, fp16 for INT8 V
@@ -736,28 +729,23 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     PV_T: gl.constexpr = v_smem.dtype if v16_smem is None else gl.float16
     S_T: gl.constexpr = gl.int32 if qs_ptr is not None else gl.float32
 
-    rows = ROW0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, COPY))
-    q_buf = q_smem.index(0 if SPLIT_KEYS else WG)
-    if q_desc is not None or (SPLIT_KEYS and WG == 1):  # the producer's TMA boxes, or
-        mbarrier.wait(q_ready.index(0), 0)  # consumer 0's loads of the rows both read
-    else:
+    rows = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, COPY))
+    q_buf = q_smem.index(WG)
+    if q_desc is None:
         q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
                             PACK, HEAD_DIM, COPY))
         fence_async_shared()  # the wgmma read it through the async proxy
-        if SPLIT_KEYS:
-            gl.thread_barrier()  # every warp stored its rows
-            mbarrier.arrive(q_ready.index(0), count=1)
-    rows_s = ROW0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
+    else:  # the producer's TMA boxes
+        mbarrier.wait(q_ready.index(0), 0)
+    rows_s = WG * WG_ROWS + gl.arange(0, WG_ROWS, gl.SliceLayout(1, QK))
     row_scale, row_end = _row_constants(qs_ptr, rows_s, t0, q_start, q_len, seq_len, ctx,
                                         pid_h, stride_qst, stride_qsh, sm_scale_log2, PACK,
                                         CAUSAL)
-    t_first = t0 + ROW0 // PACK
+    t_first = t0 + (WG * WG_ROWS) // PACK
     own_hi, full = _key_bounds(seq_len, ctx, t_first, WG_ROWS // PACK, CAUSAL)
     full = gl.minimum(full, hi)
     own = num_tiles
-    if SPLIT_KEYS:  # its share of the tiles (consumer 0 has one more where they are odd)
-        own = (num_tiles - FIRST + STEP - 1) // STEP
-    elif OWN_TILES:  # the key tiles this warpgroup's rows read (rows past the query: none);
+    if OWN_TILES:  # the key tiles this warpgroup's rows read (rows past the query: none);
         # it computes at least the first (its turns start there), the rest go back unread
         own = gl.where(t_first < q_len, gl.cdiv(gl.minimum(own_hi, hi), BLOCK_N), 1)
         own = gl.minimum(gl.maximum(own, 1), num_tiles)
@@ -771,32 +759,28 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     CUDA_SUMS: gl.constexpr = ones_smem is None
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, QK))
     acc_l = gl.zeros([WG_ROWS, SUM_COLS], gl.float32, SUM)
-    if own > 0:
-        cur = FIRST % STAGES
-        phase = (FIRST // STAGES) & 1
-        mbarrier.wait(k_ready.index(cur), phase)
+    if num_tiles > 0:
+        mbarrier.wait(k_ready.index(0), 0)
         _take_turn(turn, WG, 0, CONSUMERS)
-        s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s, use_acc=False,
+        s_tok = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
-        every_key_read = (FIRST + 1) * BLOCK_N <= full
-        p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
-                                     row_end, FIRST * BLOCK_N, every_key_read, cols, CUDA_SUMS,
-                                     LAZY_MAX)
+        every_key_read = BLOCK_N <= full
+        p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
+                                     row_end, 0, every_key_read, cols, CUDA_SUMS, LAZY_MAX)
         if KV_RINGS:  # K and its scales are read; V has its own barrier
-            mbarrier.arrive(k_empty.index(cur), count=1)
-            mbarrier.wait(v_ready.index(cur), phase)
-        p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
-        _release_after_p(v_empty, cur, v16_smem)
-        for u in range(1, own):  # the consumer's u-th tile, key tile j
-            j = FIRST + u * STEP
+            mbarrier.arrive(k_empty.index(0), count=1)
+            mbarrier.wait(v_ready.index(0), 0)
+        p16 = _p_operand(p, vs_smem, 0, every_key_read, QK, P_OP, PV_T)
+        _release_after_p(v_empty, 0, v16_smem)
+        for j in range(1, own):
             cur = j % STAGES
-            prev = (j - STEP) % STAGES
+            prev = (j - 1) % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(k_ready.index(cur), phase)
-            v_prev = _v_operand(v_smem, v16_smem, v16_ready, prev, j - STEP)
-            _take_turn(turn, WG, u, CONSUMERS)
+            v_prev = _v_operand(v_smem, v16_smem, v16_ready, prev, j - 1)
+            _take_turn(turn, WG, j, CONSUMERS)
             # tile j's Q·K^T and tile j-1's P·V back to back; the softmax of tile j then
             # runs while P·V is on the tensor cores
             s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
@@ -812,7 +796,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             if KV_RINGS:
                 mbarrier.arrive(k_empty.index(cur), count=1)
             acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
-            _release_after_pv(v_empty, v16_empty, prev, j - STEP, v16_smem)
+            _release_after_pv(v_empty, v16_empty, prev, j - 1, v16_smem)
             if LAZY_MAX:
                 acc = _rescale(acc, alpha)
             else:
@@ -823,16 +807,15 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                 mbarrier.wait(v_ready.index(cur), phase)
             p16 = _p_operand(p, vs_smem, cur, every_key_read, QK, P_OP, PV_T)
             _release_after_p(v_empty, cur, v16_smem)
-        j_last = FIRST + (own - 1) * STEP
-        last = j_last % STAGES
-        v_last = _v_operand(v_smem, v16_smem, v16_ready, last, j_last)
+        last = (own - 1) % STAGES
+        v_last = _v_operand(v_smem, v16_smem, v16_ready, last, own - 1)
         _take_turn(turn, WG, own, CONSUMERS)
         acc_tok = warpgroup_mma(p16, v_last, acc, is_async=True)
         l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
         _pass_turn(turn, WG, CONSUMERS)
         acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
-        _release_after_pv(v_empty, v16_empty, last, j_last, v16_smem)
-        if OWN_TILES and not SPLIT_KEYS:
+        _release_after_pv(v_empty, v16_empty, last, own - 1, v16_smem)
+        if OWN_TILES:
             for j in range(own, num_tiles):  # unread: the buffers' shares and turns go on
                 cur = j % STAGES
                 phase = (j // STAGES) & 1
@@ -846,48 +829,10 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                 _release_after_pv(v_empty, v16_empty, cur, j, v16_smem)
                 _take_turn(turn, WG, j + 1, CONSUMERS)
                 _pass_turn(turn, WG, CONSUMERS)
-    elif SPLIT_KEYS and num_tiles > 0:  # consumer 1 of one tile: its turn 0 all the same,
-        # since consumer 0 waits for it
-        _take_turn(turn, WG, 0, CONSUMERS)
-        _pass_turn(turn, WG, CONSUMERS)
     if not CUDA_SUMS:  # every column of acc_l holds its row's sum
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
-    if SPLIT_KEYS:
-        acc, l_i = _merge(WG, merge, acc, m_i, l_i, QK, PV)
-    if WG == 0 or not SPLIT_KEYS:
-        _store_rows(out_ptr, acc, l_i, ROW0, t0, q_start, q_len, num_q_heads, pid_h, PACK,
-                    TOKENS, HEAD_DIM, PV)
-
-
-@gluon.jit
-def _merge(WG: gl.constexpr, merge, acc, m_i, l_i, QK: gl.constexpr, PV: gl.constexpr):
-    """SPLIT_KEYS: consumer 1's rows (its maxima, sums and accumulator over its key tiles)
-    to consumer 0, which returns the rows over all of them. ``merge``: the accumulator's
-    scratch (shared memory of key buffers that are all read by then), the maxima's and sums',
-    a barrier consumer 0 arrives on once its last P·V is done (the buffers are free) and
-    one consumer 1 arrives on once its rows are stored. Consumer 1 returns its own."""
-    (acc_smem, ml_smem, free, stored) = merge
-    if WG == 1:
-        mbarrier.wait(free.index(0), 0)
-        acc_smem.store(acc)
-        ml_smem.index(0).store(m_i)
-        ml_smem.index(1).store(l_i)
-        gl.thread_barrier()  # every warp of the warpgroup stored its part
-        mbarrier.arrive(stored.index(0), count=1)
-    else:
-        gl.thread_barrier()  # every warp's last P·V is done
-        mbarrier.arrive(free.index(0), count=1)
-        mbarrier.wait(stored.index(0), 0)
-        m_1 = ml_smem.index(0).load(m_i.type.layout)
-        m = gl.maximum(m_i, m_1)
-        m = gl.where(m == float("-inf"), 0.0, m)  # no key in either: both sides are 0
-        a_0 = gl.exp2(m_i - m)
-        a_1 = gl.exp2(m_1 - m)
-        l_i = l_i * a_0 + ml_smem.index(1).load(m_i.type.layout) * a_1
-        a_0 = gl.convert_layout(a_0, gl.SliceLayout(1, PV))
-        a_1 = gl.convert_layout(a_1, gl.SliceLayout(1, PV))
-        acc = acc * a_0[:, None] + acc_smem.load(PV) * a_1[:, None]
-    return acc, l_i
+    _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h, PACK,
+                TOKENS, HEAD_DIM, PV)
 
 
 @gluon.jit
@@ -901,8 +846,7 @@ def ws_prefill_kernel(
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
-    LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
-    LISTED: gl.constexpr,
+    LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, LISTED: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
     num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
@@ -911,18 +855,15 @@ def ws_prefill_kernel(
     its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None for a
     16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
     CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
-    # SPLIT_KEYS: a tile of 64 rows whose key tiles the two consumers share out
-    TILE_ROWS: gl.constexpr = WG_ROWS if SPLIT_KEYS else BLOCK_M
-    USERS: gl.constexpr = 1 if SPLIT_KEYS else CONSUMERS  # consumers of a key tile, query row
     pid_h = gl.program_id(0)
     b, t0, seq_len, q_start, q_len, idle = _work(
         seq_lens_ptr, qsl_ptr, batch, num_tokens, max_blocks, min_q, max_q, max_tiles,
-        TILE_ROWS // PACK, PAGE, LISTED)
+        BLOCK_M // PACK, PAGE, LISTED)
     if idle:
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
-    hi, _ = _key_bounds(seq_len, ctx, t0, TILE_ROWS // PACK, CAUSAL)
+    hi, _ = _key_bounds(seq_len, ctx, t0, BLOCK_M // PACK, CAUSAL)
     num_tiles = gl.cdiv(hi, BLOCK_N)
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
 
@@ -931,8 +872,7 @@ def ws_prefill_kernel(
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], q_type)
     else:  # the producer's TMA boxes
         Q_SMEM: gl.constexpr = q_desc.layout
-    # a buffer of query rows per consumer; with SPLIT_KEYS one, which both read
-    q_smem = gl.allocate_shared_memory(q_type, [USERS, WG_ROWS, HEAD_DIM], Q_SMEM)
+    q_smem = gl.allocate_shared_memory(q_type, [CONSUMERS, WG_ROWS, HEAD_DIM], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     SCALES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -960,7 +900,7 @@ def ws_prefill_kernel(
         ones_smem: gl.constexpr = None
     BARS: gl.constexpr = mbarrier.MBarrierLayout()
     # an int8 V buffer goes back once the consumers read its scales and the widener its V
-    V_USERS: gl.constexpr = USERS if vs_ptr is None else USERS + 1
+    V_USERS: gl.constexpr = CONSUMERS if vs_ptr is None else CONSUMERS + 1
     if vs_ptr is None:
         v16_ready: gl.constexpr = None
         v16_empty: gl.constexpr = None
@@ -969,7 +909,7 @@ def ws_prefill_kernel(
         v16_empty = gl.allocate_shared_memory(gl.int64, [V16_BUFS, 1], BARS)
         for i in gl.static_range(V16_BUFS):
             mbarrier.init(v16_ready.index(i), count=1)
-            mbarrier.init(v16_empty.index(i), count=USERS)
+            mbarrier.init(v16_empty.index(i), count=CONSUMERS)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BARS)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], BARS)
@@ -980,7 +920,7 @@ def ws_prefill_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1 if ks_ptr is None else 2)
             mbarrier.init(v_ready.index(i), count=1 if vs_ptr is None else 2)
-            mbarrier.init(k_empty.index(i), count=USERS)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
             mbarrier.init(v_empty.index(i), count=V_USERS)
     else:  # one barrier pair per buffer serves K and V
         v_ready = k_ready
@@ -990,28 +930,12 @@ def ws_prefill_kernel(
             mbarrier.init(k_empty.index(i), count=V_USERS)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    if SPLIT_KEYS:  # consumer 1's rows to consumer 0 through the key buffers' memory, all
-        # read by then: INT8 V's fp16 copies, or the 16-bit V buffers (check_plan: either
-        # holds 64 rows of fp32)
-        scratch = v_smem if v16_smem is None else v16_smem
-        acc_smem = scratch._reinterpret(gl.float32, [WG_ROWS, HEAD_DIM],
-                                        gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
-        ml_smem = gl.allocate_shared_memory(gl.float32, [2, WG_ROWS], SCALES)
-        free = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
-        stored = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
-        mbarrier.init(free.index(0), count=1)
-        mbarrier.init(stored.index(0), count=1)
-        merge = (acc_smem, ml_smem, free, stored)
-    else:
-        merge: gl.constexpr = None
-    if q_desc is None and not SPLIT_KEYS:
+    if q_desc is None:
         q_ready: gl.constexpr = None
-    else:  # the query rows are loaded by the producer's TMA, or (SPLIT_KEYS) by consumer 0
+        q_at: gl.constexpr = None
+    else:  # the query rows' barrier, and where in the view the tile's rows start
         q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], BARS)
         mbarrier.init(q_ready.index(0), count=1)
-    if q_desc is None:
-        q_at: gl.constexpr = None
-    else:  # where in the view the tile's rows start
         q_at = (q_start + t0 + (pid_h * stride_qh) // stride_qt, (pid_h * stride_qh) % stride_qt)
 
     loads = (k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, k_smem, v_smem, ks_smem,
@@ -1022,16 +946,16 @@ def ws_prefill_kernel(
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
             v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
-            stride_qst, stride_qsh, q_desc, q_ready, ones_smem, merge)
+            stride_qst, stride_qsh, q_desc, q_ready, ones_smem)
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     # the producer warp loads K, and V unless the V loader (a warp of its own) does
     K_AND_V: gl.constexpr = not V_LOADER
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, SPLIT_KEYS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, SPLIT_KEYS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -1040,7 +964,7 @@ def ws_prefill_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, SPLIT_KEYS)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D)),
@@ -1250,8 +1174,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         options.update(CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
-                       OWN_TILES=plan.own_tiles, SPLIT_KEYS=plan.split_keys,
-                       maxnreg=plan.maxnreg)
+                       OWN_TILES=plan.own_tiles, maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q,

@@ -51,8 +51,7 @@ from pagedfuse.ops.signature_cache import SignatureCache
 NAME = "gluon_prefill"
 HEAD_DIMS = frozenset((64, 128, 256))
 CP_HEAD_DIMS = frozenset((128,))  # "cp": INT8 K with a 16-bit V only
-WG_ROWS = 64  # query rows per consumer warpgroup
-BLOCK_MS = (WG_ROWS, 2 * WG_ROWS)  # one or two consumer warpgroups
+BLOCK_MS = (64, 128)  # one or two consumer warpgroups of 64 rows
 BLOCK_NS = (32, 64, 128)
 PIPELINES = ("ws", "cp")
 # "cp": a buffer for P·V, one for the next Q·K^T, one being filled; "ws": the producer fills
@@ -198,11 +197,7 @@ class GluonPlan:
     to ``max_q``, 0: no upper bound; another launch takes the rest), and the CTAs an SM
     holds at once by their registers (``ctas_per_sm``: 2 caps a CTA's at half the register
     file, so that two short queries' one-warpgroup tiles, or at head_dim 64 two 128-row
-    tiles over short contexts, share an SM), and whether the two consumers of a 128-row
-    launch share out the key tiles of one tile of 64 rows (``split_keys``: tiles j = 0 mod 2
-    to consumer 0, the others to consumer 1, their rows merged at the end), so that a short
-    query's rows, which one consumer holds, run two chains of Q·K^T, softmax and P·V where
-    one consumer's registers cannot hold a head_dim of 256 alone."""
+    tiles over short contexts, share an SM)."""
 
     block_m: int = 128
     pack: int = 1
@@ -219,17 +214,11 @@ class GluonPlan:
     min_q: int = 0
     max_q: int = 0
     ctas_per_sm: int = 1
-    split_keys: bool = False
-
-    @property
-    def rows(self) -> int:
-        """Query rows per tile (``block_m``, or one consumer's 64 with ``split_keys``)."""
-        return WG_ROWS if self.split_keys else self.block_m
 
     @property
     def tokens(self) -> int:
         """Query tokens per tile."""
-        return self.rows // self.pack
+        return self.block_m // self.pack
 
     @property
     def num_warps(self) -> int:
@@ -506,28 +495,9 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 takes block_n "
                          f"up to 64, not {plan.block_n} (a consumer's scores and weights do "
                          "not fit its share of the register file)")
-    if plan.split_keys:
-        _check_split_keys(call, plan)
     if plan.min_q < 0 or plan.max_q < 0:
         raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
                          "no bound)")
-
-
-def _check_split_keys(call: PagedCall, plan: GluonPlan) -> None:
-    """split_keys' rules: two consumers of one tile's rows, each over its own key tiles, and
-    a scratch for consumer 1's 64 x head_dim fp32 rows in buffers all read at the end (INT8
-    V's two fp16 copies of block_n keys, or the 16-bit V buffers)."""
-    if plan.pipeline != "ws" or plan.block_m != 2 * WG_ROWS:
-        raise ValueError(f"plan: split_keys needs the 'ws' pipeline's two consumers (block_m "
-                         f"{2 * WG_ROWS}), not {plan.pipeline!r} with block_m {plan.block_m}")
-    if plan.own_tiles:
-        raise ValueError("plan: split_keys shares the key tiles out between the consumers "
-                         "itself; own_tiles must be off")
-    keys = 2 * plan.block_n if call.kind == "int8_kv" else plan.stages * plan.block_n
-    if keys < 2 * WG_ROWS:
-        raise ValueError(f"plan: split_keys merges 64 fp32 rows through the V buffers, which "
-                         f"hold {keys} 16-bit rows at block_n {plan.block_n} and stages "
-                         f"{plan.stages} ({2 * WG_ROWS} needed)")
 
 
 @functools.cache
