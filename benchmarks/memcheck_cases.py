@@ -49,7 +49,7 @@ cases = [
 cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=12, head_dim=128, kind=kind),
            dict(backend="cuda_decode", max_query_len=1, splits=2,  # one KV head per CTA
                 config=cuda_decode.native_config(native, 128, 2, 3, torch.device("cuda"), 1)))
-          for native, kind in (("int8_kv", "int8_kv"), ("int8_k", "int8_k"), ("half", "float"))]
+          for native, kind in cuda_native.CALL_KINDS.items()]
 cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=d, kind=kind),
            dict(backend="cuda_decode", max_query_len=1,  # the balanced grid, its merges
                 splits=cuda_decode.BALANCED))
@@ -63,7 +63,8 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
 def short_case(num_q_heads: int, head_dim: int, kind: str, heads: int | None = None):
     """Up to 7 query tokens of 4 to 8 heads a KV head: more columns than the kernel's n-tiles
     hold, so its most n-tiles (and column groups) serve them."""
-    native, device = {"float": "half"}.get(kind, kind), torch.device("cuda")
+    device = torch.device("cuda")
+    native = next(n for n, k in cuda_native.CALL_KINDS.items() if k == kind)
     tiles = cuda_native.decode_variant(device, native, head_dim).max_column_tiles
     plan = {} if heads is None else dict(config=cuda_decode.native_config(
         native, head_dim, 4, 4, device, heads, tiles=tiles))

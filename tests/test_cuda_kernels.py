@@ -194,7 +194,7 @@ NATIVE_CASES = {
     "d256-gqa8-b1-short": dict(seq_lens=(7,), num_q_heads=16, head_dim=256),
     "d128-gqa4-lengths": dict(seq_lens=(1, 15, 16, 17, 31, 33, 129), head_dim=128),
 }
-NATIVE_KINDS = {"int8_kv": "int8_kv", "int8_k": "int8_k", "half": "float"}  # cuda_native's
+NATIVE_KINDS = cuda_native.CALL_KINDS
 
 
 @pytest.mark.parametrize("kind", list(NATIVE_KINDS))

@@ -23,6 +23,7 @@ LIBRARY = "pagedfuse._cuda_kernels"
 # What the caches hold, in the order of csrc/cuda/paged_decode.cu's Kind codes: INT8 K and V,
 # INT8 K with a 16-bit V, 16-bit K and V (bf16 or fp16, the query's dtype).
 KINDS = ("int8_kv", "int8_k", "half")
+CALL_KINDS = {"int8_kv": "int8_kv", "int8_k": "int8_k", "half": "float"}  # PagedCall.kind's
 # The launcher's switch builds every kind at each of these head dims, each with CTAs that
 # serve each of these counts of KV heads (every count divides every variant's warps).
 HEAD_DIMS = (64, 128, 256)
