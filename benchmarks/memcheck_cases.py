@@ -60,22 +60,23 @@ cases += [(dict(seq_lens=(300, 45, 1), num_q_heads=32, num_kv_heads=8, head_dim=
 # key.
 
 
-def short_case(num_q_heads: int, head_dim: int, kind: str, heads: int | None = None):
-    """Up to 7 query tokens of 4 to 8 heads a KV head: more columns than the kernel's n-tiles
-    hold, so its most n-tiles (and column groups) serve them."""
+def short_case(num_q_heads: int, head_dim: int, native: str, heads: int | None = None):
+    """Up to 7 query tokens of 4 to 8 heads a KV head (a cuda_native kind's caches): more
+    columns than the kernel's n-tiles hold, so its most n-tiles (and column groups) serve
+    them."""
     device = torch.device("cuda")
-    native = next(n for n, k in cuda_native.CALL_KINDS.items() if k == kind)
     tiles = cuda_native.decode_variant(device, native, head_dim).max_column_tiles
     plan = {} if heads is None else dict(config=cuda_decode.native_config(
         native, head_dim, 4, 4, device, heads, tiles=tiles))
     return (dict(seq_lens=(300, 5, 8, 40), q_lens=(5, 5, 7, 1), num_q_heads=num_q_heads,
-                 num_kv_heads=4, head_dim=head_dim, kind=kind, causal=True),
+                 num_kv_heads=4, head_dim=head_dim, kind=cuda_native.CALL_KINDS[native],
+                 causal=True),
             dict(backend="cuda_decode", max_query_len=7, splits=2, **plan))
 
 
 short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
                short_case(16, 128, "int8_kv", 4), short_case(16, 128, "int8_k", 2),
-               short_case(24, 256, "float"), short_case(24, 256, "float", 2)]
+               short_case(24, 256, "half"), short_case(24, 256, "half", 2)]
 # The Gluon kernel where this GPU runs it: without length hints (a packed launch for the
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim (16-bit K/V and INT8 K at head_dim 64: 128-row tiles at two CTAs per SM); K and V
