@@ -350,6 +350,12 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(lazy_max=True, kind="int8_kv"), "plan: lazy_max needs a 16-bit V cache"),
     (dict(block_m=64, head_dim=256), "plan: block_m 64 with pipeline 'ws' runs head_dim up "
                                      "to 128, not 256"),
+    (dict(wg1_widens=True, block_m=128, ctas_per_sm=1),
+     "plan: wg1_widens needs an INT8 V cache and the 'ws' pipeline's second warpgroup "
+     "(block_m 128), not int8_k on 'ws' with block_m 128"),
+    (dict(wg1_widens=True, kind="int8_kv"),
+     "plan: wg1_widens needs an INT8 V cache and the 'ws' pipeline's second warpgroup "
+     "(block_m 128), not int8_kv on 'ws' with block_m 64"),
 ])
 def test_bad_plans_are_refused_by_name(gb, overrides, message):
     plan = {k: v for k, v in overrides.items() if k not in ("head_dim", "kind")}
@@ -776,6 +782,22 @@ def test_short_int8_tiles_take_two_ctas_per_sm(gb, kind, head_dim):
         assert (plan.block_n, plan.stages) == short and plan.maxnreg == 128
 
 
+@pytest.mark.parametrize(("kind", "head_dim", "q_len", "widens"), [
+    ("int8_kv", 256, 4, True), ("int8_kv", 256, 8, True), ("int8_kv", 256, 17, False),
+    ("int8_kv", 128, 4, False), ("int8_k", 256, 4, False), ("float", 256, 4, False)])
+def test_short_int8_v_queries_at_256_widen_in_the_second_warpgroup(gb, kind, head_dim,
+                                                                   q_len, widens):
+    """Where one consumer's 64 rows hold a GQA group's short query but one consumer cannot
+    run head_dim 256 alone, the second warpgroup widens INT8 V (wg1_widens) and a tile holds
+    64 rows; longer queries, other head dims and 16-bit V keep two consumers."""
+    call = _int8k([q_len, 2], [100, 100], kind=kind, head_dim=head_dim,
+                  num_q_heads=24 if head_dim == 256 else 16).call(max_query_len=q_len)
+    plan = gb.default_plan(call)
+    assert plan.wg1_widens == widens
+    if widens:
+        assert (plan.block_m, plan.rows, plan.tokens) == (128, 64, 64 // plan.pack)
+
+
 def _keys_scaled_per_page(case, top: float, seed: int):
     """``case`` (on the CPU) with each page's keys times its own factor, log-uniform in [1,
     top]: along a row's keys its maximum score jumps by more than LAZY_LOG2 at some tiles
@@ -787,6 +809,28 @@ def _keys_scaled_per_page(case, top: float, seed: int):
     if case.key_scale is not None:
         key, key_scale = quantized(key_float)
     return dataclasses.replace(case, key_cache=key, key_scale=key_scale, key_float=key_float)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_second_warpgroup_widening_matches_the_reference(gb, head_dim):
+    """wg1_widens: consumer 1's warps widen INT8 V for consumer 0's 64 rows: short queries
+    packed over a GQA group and a 40-token one (several 64-row tiles), histories from 0 to
+    1000, one ring and K and V rings, two to four buffers."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([4, 2, 4, 1, 3, 40], [1000, 0, 37, 5, 300, 100], device="cuda", seed=17,
+                  kind="int8_kv", head_dim=head_dim, num_q_heads=24 if head_dim == 256 else 16)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    widens = dict(block_m=128, wg1_widens=True, ctas_per_sm=1)
+    variants = [dict(), dict(block_n=64, stages=2, kv_rings=True), dict(block_n=64, stages=4)]
+    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+    want = case.reference()
+    for variant in variants:
+        plan = gb.make_plan(call, **(widens | variant))
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
 
 
 @pytest.mark.cuda

@@ -121,6 +121,8 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup of the "ws" kern
 # and its registers, warps that Triton otherwise pads that warpgroup with) and its fp16
 # copies of V tiles, shared by the consumers (one being read while the next is written)
 WIDEN_WARPS = gl.constexpr(2)
+WIDEN_VALUES = gl.constexpr(16)  # values a widener thread widens per step, at PRODUCER_REGS
+WG1_WIDEN_VALUES = gl.constexpr(64)  # ... and a thread of consumer 1 (WG1_WIDENS)
 V16_BUFS = gl.constexpr(2)
 # _rescale's branch and multiplies: RESCALE_PACK accumulator values ($0..: outputs tied to
 # their inputs), their rows' factors, and whether the warp skips them
@@ -614,20 +616,22 @@ def _int8_to_fp16(x):
 
 
 @gluon.jit
-def _widener(args, STAGES: gl.constexpr, TPW_D: gl.constexpr):
-    """WIDEN_WARPS warps beside the producer, for an INT8 V cache (none: nothing to do): key
-    tile j's int8 V from the cache's buffer j % STAGES to fp16 in the shared copy j %
-    V16_BUFS, exactly, once the consumers' P·V on that copy is done; then the copy is
-    ``v16_ready`` and the int8 buffer goes back to the producer. The consumers' softmax
-    never waits for it: widening in each consumer put 1.25 instructions a value on their
-    critical path (benchmarks/results/prefill_summary.md)."""
+def _widener(args, STAGES: gl.constexpr, TPW_D: gl.constexpr, WARPS: gl.constexpr,
+             VALUES: gl.constexpr):
+    """WARPS warps for an INT8 V cache (none: nothing to do), WIDEN_WARPS beside the
+    producer or (WG1_WIDENS) consumer 1's four: key tile j's int8 V from the cache's buffer
+    j % STAGES to fp16 in the shared copy j % V16_BUFS, exactly, once the consumers' P·V on
+    that copy is done; then the copy is ``v16_ready`` and the int8 buffer goes back to the
+    producer. The consumers' softmax never waits for it: widening in each consumer put 1.25
+    instructions a value on their critical path (benchmarks/results/prefill_summary.md).
+    VALUES: the values a thread widens per step, as its registers allow."""
     (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles) = args
     if v16_smem is not None:
-        WIDEN: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [WIDEN_WARPS, 1],
+        WIDEN: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [WARPS, 1],
                                                [1, 0])
         ROWS: gl.constexpr = v_smem.type.shape[1]
-        # rows per step: 16 values a thread, but at least the fp16 copy's 8-row swizzle span
-        CHUNK: gl.constexpr = max(16 * 32 * WIDEN_WARPS // v_smem.type.shape[2], 8)
+        # rows per step: VALUES a thread, but at least the fp16 copy's 8-row swizzle span
+        CHUNK: gl.constexpr = min(max(VALUES * 32 * WARPS // v_smem.type.shape[2], 8), ROWS)
         for j in range(num_tiles):
             i = j % STAGES
             w = j % V16_BUFS
@@ -846,7 +850,8 @@ def ws_prefill_kernel(
     HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
-    LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, LISTED: gl.constexpr,
+    LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, WG1_WIDENS: gl.constexpr,
+    LISTED: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
     num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
@@ -854,16 +859,19 @@ def ws_prefill_kernel(
     without an INT8 V cache). The caches' kinds come from the arguments: an int8 query with
     its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None for a
     16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
-    CONSUMERS: gl.constexpr = BLOCK_M // WG_ROWS
+    # the warpgroups that read key tiles, one per 64 rows: with WG1_WIDENS only consumer 0,
+    # the second warpgroup widening INT8 V in place of WIDEN_WARPS
+    CONSUMERS: gl.constexpr = 1 if WG1_WIDENS else BLOCK_M // WG_ROWS
+    TOKENS: gl.constexpr = CONSUMERS * WG_ROWS // PACK
     pid_h = gl.program_id(0)
     b, t0, seq_len, q_start, q_len, idle = _work(
         seq_lens_ptr, qsl_ptr, batch, num_tokens, max_blocks, min_q, max_q, max_tiles,
-        BLOCK_M // PACK, PAGE, LISTED)
+        TOKENS, PAGE, LISTED)
     if idle:
         return
     kvh = (pid_h * PACK) // GROUP
     ctx = seq_len - q_len  # keys before the first query token
-    hi, _ = _key_bounds(seq_len, ctx, t0, BLOCK_M // PACK, CAUSAL)
+    hi, _ = _key_bounds(seq_len, ctx, t0, TOKENS, CAUSAL)
     num_tiles = gl.cdiv(hi, BLOCK_N)
     bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
 
@@ -950,7 +958,15 @@ def ws_prefill_kernel(
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     # the producer warp loads K, and V unless the V loader (a warp of its own) does
     K_AND_V: gl.constexpr = not V_LOADER
-    if CONSUMERS == 2:
+    if WG1_WIDENS:  # consumer 1's warpgroup widens, with a consumer's registers
+        gl.warp_specialize([
+            (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
+            (_widener, (widens, STAGES, COPY_TPW_D, 4, WG1_WIDEN_VALUES)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
+            (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
                          COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
@@ -958,7 +974,7 @@ def ws_prefill_kernel(
                          COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
-            (_widener, (widens, STAGES, COPY_TPW_D)),
+            (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
         ], [4, 1, 1, WIDEN_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS,
                                     PRODUCER_REGS])
     else:
@@ -967,7 +983,7 @@ def ws_prefill_kernel(
                          COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
-            (_widener, (widens, STAGES, COPY_TPW_D)),
+            (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
         ], [1, 1, WIDEN_WARPS], [PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -1174,7 +1190,8 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         options.update(CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
-                       OWN_TILES=plan.own_tiles, maxnreg=plan.maxnreg)
+                       OWN_TILES=plan.own_tiles, WG1_WIDENS=plan.wg1_widens,
+                       maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,
             *strides, *call.block_table.stride(), max(min_query_len, plan.min_q), plan.max_q,

@@ -197,7 +197,9 @@ class GluonPlan:
     to ``max_q``, 0: no upper bound; another launch takes the rest), and the CTAs an SM
     holds at once by their registers (``ctas_per_sm``: 2 caps a CTA's at half the register
     file, so that two short queries' one-warpgroup tiles, or at head_dim 64 two 128-row
-    tiles over short contexts, share an SM)."""
+    tiles over short contexts, share an SM), and whether the second warpgroup of a 128-row
+    launch widens INT8 V for the first's 64 rows (``wg1_widens``: the tile holds 64 rows,
+    and consumer 1's warps with a consumer's registers take the widener's place)."""
 
     block_m: int = 128
     pack: int = 1
@@ -214,11 +216,17 @@ class GluonPlan:
     min_q: int = 0
     max_q: int = 0
     ctas_per_sm: int = 1
+    wg1_widens: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Query rows per tile: ``block_m``, or with ``wg1_widens`` one consumer's 64."""
+        return 64 if self.wg1_widens else self.block_m
 
     @property
     def tokens(self) -> int:
         """Query tokens per tile."""
-        return self.block_m // self.pack
+        return self.rows // self.pack
 
     @property
     def num_warps(self) -> int:
@@ -356,10 +364,18 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
           and isinstance(call.context_bound, int) and call.context_bound <= TWO_CTA_KEYS
           and mean_keys(call) <= TWO_CTA_MEAN_KEYS[call.kind]):
         (block_n, stages, sum_mma), ctas_per_sm = TWO_CTA_TILES[call.kind], 2
+    # INT8 V where one consumer's rows hold the query but one consumer alone does not fit
+    # (head_dim 256): the second warpgroup, which would have no rows, widens V with a
+    # consumer's registers. Where the two widener warps set the pace (qwen35's q_len 4: about
+    # 2230 of 2580 cycles a key tile, benchmarks/results/prefill_summary.md). UNMEASURED on
+    # this branch: time it (--gluon-ab wg1_widens=0) before it goes to main.
+    wg1_widens = (call.kind == "int8_kv" and pack * queries <= 64
+                  and call.geometry.head_dim > MAX_HEAD_DIM_64_ROWS)
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=sum_mma, lazy_max=v16 and call.geometry.head_dim == 256,
-                     own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm)
+                     own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm,
+                     wg1_widens=wg1_widens)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -495,6 +511,11 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 takes block_n "
                          f"up to 64, not {plan.block_n} (a consumer's scores and weights do "
                          "not fit its share of the register file)")
+    if plan.wg1_widens and (call.kind != "int8_kv" or plan.pipeline != "ws"
+                            or plan.block_m != 128):
+        raise ValueError(f"plan: wg1_widens needs an INT8 V cache and the 'ws' pipeline's "
+                         f"second warpgroup (block_m 128), not {call.kind} on "
+                         f"{plan.pipeline!r} with block_m {plan.block_m}")
     if plan.min_q < 0 or plan.max_q < 0:
         raise ValueError(f"plan: min_q {plan.min_q} and max_q {plan.max_q} must be >= 0 (0: "
                          "no bound)")
