@@ -83,7 +83,8 @@ short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
 # rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16 (INT8 V; 16-bit
 # at head_dim 256 by default); one consumer with INT8 V; consumers that
 # stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
-# pipeline at page 1; INT8 V widened by the second warpgroup (wg1_widens) at head_dim 256; a
+# pipeline at page 1; INT8 V widened by the second warpgroup (wg1_widens) at head_dim 256,
+# chosen and by default with its four buffers; a
 # tile list over 201 sequences (two steps of its search). Then
 # mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
@@ -107,6 +108,8 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
          dict(backend="gluon_prefill", pipeline="cp")),
         (dict(prefill, head_dim=256, kind="int8_kv", q_lens=(4, 17, 1)),
          dict(backend="gluon_prefill", block_m=128, wg1_widens=True, ctas_per_sm=1)),
+        (dict(prefill, head_dim=256, kind="int8_kv", q_lens=(4, 3, 1)),
+         dict(backend="gluon_prefill", max_query_len=4)),
         (dict(prefill, head_dim=128, q_lens=many, seq_lens=tuple(q + 20 for q in many)),
          dict(backend="gluon_prefill")),
         (dict(prefill, head_dim=128, kind="int8_kv"),

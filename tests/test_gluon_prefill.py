@@ -789,13 +789,15 @@ def test_short_int8_v_queries_at_256_widen_in_the_second_warpgroup(gb, kind, hea
                                                                    q_len, widens):
     """Where one consumer's 64 rows hold a GQA group's short query but one consumer cannot
     run head_dim 256 alone, the second warpgroup widens INT8 V (wg1_widens) and a tile holds
-    64 rows; longer queries, other head dims and 16-bit V keep two consumers."""
+    64 rows, with WG1_WIDENS_STAGES buffers; longer queries, other head dims and 16-bit V keep
+    two consumers."""
     call = _int8k([q_len, 2], [100, 100], kind=kind, head_dim=head_dim,
                   num_q_heads=24 if head_dim == 256 else 16).call(max_query_len=q_len)
     plan = gb.default_plan(call)
     assert plan.wg1_widens == widens
     if widens:
         assert (plan.block_m, plan.rows, plan.tokens) == (128, 64, 64 // plan.pack)
+        assert plan.stages == gb.WG1_WIDENS_STAGES
 
 
 def _keys_scaled_per_page(case, top: float, seed: int):

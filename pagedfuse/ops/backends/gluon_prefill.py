@@ -177,6 +177,8 @@ TWO_CTA_MEAN_KEYS = {"float": 1536, "int8_k": TWO_CTA_KEYS}
 # registers: at head_dim 256 its 64 x 256 fp32 accumulator alone takes 128 of them, and for
 # sm_90 ptxas failed ("insufficient registers", 158 wanted) in every cache kind
 MAX_HEAD_DIM_64_ROWS = 128
+# Buffers where the second warpgroup widens INT8 V (wg1_widens; _plan says why)
+WG1_WIDENS_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,11 +368,14 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
         (block_n, stages, sum_mma), ctas_per_sm = TWO_CTA_TILES[call.kind], 2
     # INT8 V where one consumer's rows hold the query but one consumer alone does not fit
     # (head_dim 256): the second warpgroup, which would have no rows, widens V with a
-    # consumer's registers. Where the two widener warps set the pace (qwen35's q_len 4: about
-    # 2230 of 2580 cycles a key tile, benchmarks/results/prefill_summary.md). UNMEASURED on
-    # this branch: time it (--gluon-ab wg1_widens=0) before it goes to main.
+    # consumer's registers, where two widener warps at 40 registers had set the pace
+    # (qwen35's q_len 4: about 2230 of 2580 cycles a key tile). With four buffers, in turns on
+    # the H200 at B=64, L=8192 (qwen35, q_len 2, 4, 8), 0.933-0.960x the time of the widener
+    # warps' plan; three buffers 0.99-1.00x (gluon_ab_h200_2026-12-03_wg1_widens.json)
     wg1_widens = (call.kind == "int8_kv" and pack * queries <= 64
                   and call.geometry.head_dim > MAX_HEAD_DIM_64_ROWS)
+    if wg1_widens:
+        stages = WG1_WIDENS_STAGES
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=sum_mma, lazy_max=v16 and call.geometry.head_dim == 256,
@@ -385,7 +390,7 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
     """``plan`` on the "cp" pipeline, with its tiles and without what only "ws" has."""
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                v_loader=False, sum_mma=False, lazy_max=False,
-                               own_tiles=False, ctas_per_sm=1)
+                               own_tiles=False, ctas_per_sm=1, wg1_widens=False)
 
 
 def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
