@@ -31,7 +31,10 @@ pipelines, chosen by ``GluonPlan.pipeline``:
   beside the producer, in the warpgroup the producer's registers take anyway) widens each
   tile's V into one of two fp16 copies the consumers share (below), which their P·V reads;
   an int8 buffer goes back once the consumers read its scales and the widener its V, a copy
-  once both consumers' P·V on it is done. With ``KV_RINGS``
+  once both consumers' P·V on it is done. With ``WG1_WIDENS`` (``GluonPlan.wg1_widens``,
+  a short query whose packed rows fit one consumer at head_dim 256) the tile holds 64 rows
+  and the second warpgroup, with a consumer's registers, widens in place of those two
+  warps. With ``KV_RINGS``
   (``GluonPlan.kv_rings``) K and V buffers have barriers of their own: a K buffer goes
   back once its Q·K^T and softmax are done, a tile before its V buffer, so that two
   buffers of longer tiles keep the producer ahead where shared memory holds no third
