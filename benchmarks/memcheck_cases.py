@@ -81,12 +81,11 @@ short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
 # short sequences, then the rest), a tail tile past each sequence, every cache kind and
 # head_dim (16-bit K/V and INT8 K at head_dim 64: 128-row tiles at two CTAs per SM); K and V
 # rings at page 256 (16-bit and INT8 V), and with V's own loader at page 16 (INT8 V; 16-bit
-# at head_dim 256 by default); one consumer with INT8 V; consumers that
-# stop at their own tiles with INT8 V (two buffers of 64 keys); the cp
-# pipeline at page 1; INT8 V widened by the second warpgroup (wg1_widens) at head_dim 256,
-# chosen and by default with its four buffers; a
-# tile list over 201 sequences (two steps of its search). Then
-# mixed_batch (the CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
+# at head_dim 256 by default); one consumer with INT8 V; consumers that stop at their own
+# tiles with INT8 V (two buffers of 64 keys); the cp pipeline at page 1; INT8 V widened by
+# the second warpgroup (wg1_widens) at head_dim 256, chosen and by default with its four
+# buffers; a tile list over 201 sequences (two steps of its search). Then mixed_batch (the
+# CUDA decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
                causal=True)
 many = (0, 1, 3, 17) * 50 + (130,)

@@ -339,7 +339,8 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     group, queries = call.geometry.group, max(min(query_bound, 128), 1)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
     block_n, stages, kv_rings, v_loader = _ws_tiles(call)
-    one_group = pack * queries <= 64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
+    rows_fit_64 = pack * queries <= 64
+    one_group = rows_fit_64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
     # the query by TMA: at a CTA's start the consumers' own loads took 1.5 µs on the H200's
     # eight 2K prompts (llama3_8b), and the boxes 0.96-0.98x the time of every kind but INT8
     # K+V, where they took 1.005-1.03x (benchmarks/results/probes_h200_2026-12-02_q_tma.json).
@@ -372,8 +373,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # (qwen35's q_len 4: about 2230 of 2580 cycles a key tile). With four buffers, in turns on
     # the H200 at B=64, L=8192 (qwen35, q_len 2, 4, 8), 0.933-0.960x the time of the widener
     # warps' plan; three buffers 0.99-1.00x (gluon_ab_h200_2026-12-03_wg1_widens.json)
-    wg1_widens = (call.kind == "int8_kv" and pack * queries <= 64
-                  and call.geometry.head_dim > MAX_HEAD_DIM_64_ROWS)
+    wg1_widens = call.kind == "int8_kv" and rows_fit_64 and not one_group
     if wg1_widens:
         stages = WG1_WIDENS_STAGES
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
