@@ -365,6 +365,46 @@ def test_bad_plans_are_refused_by_name(gb, overrides, message):
         gb.make_plan(call, **plan)
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    (dict(kind="int8_k"), "plan: kv_pairs: int8_k caches: each KV head has scales of its own"),
+    (dict(kind="int8_k", pipeline="cp"), "plan: kv_pairs is for the 'ws' pipeline, not 'cp'"),
+    (dict(num_q_heads=12, num_kv_heads=3),
+     "plan: kv_pairs: 3 KV heads of head_dim 128: kv_pairs needs an even count"),
+    (dict(head_dim=256, num_q_heads=8), "plan: kv_pairs: 4 KV heads of head_dim 256: kv_pairs "
+                                        "needs an even count and twice the head_dim in"),
+    (dict(layout="HND"), "plan: kv_pairs: key_cache: strides"),
+])
+def test_two_kv_heads_as_one_are_refused_by_name(gb, spec, message):
+    """kv_pairs views two KV heads as one of twice the head_dim: 16-bit caches (an INT8
+    cache's scales are per head), an even count of heads of half a built head_dim, side
+    by side in each token's row, on the "ws" pipeline."""
+    spec = {"kind": "float", **spec}
+    pipeline = spec.pop("pipeline", None)
+    call = _int8k([4, 3], [7, 20], **spec).call(max_query_len=4)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gb.make_plan(call, kv_pairs=True, **({"pipeline": pipeline} if pipeline else {}))
+
+
+@pytest.mark.parametrize(("spec", "q_len", "batch", "pairs"), [
+    (dict(), 4, 8, True),  # 8 heads x 4 tokens: 32 rows of 64, both KV heads' 64 paired
+    (dict(), 2, 8, True),
+    (dict(), 4, 3, False),  # 6 pairs' CTAs would leave SMs idle (8 here: the interpreter's)
+    (dict(), 8, 8, False),  # 64 rows already
+    (dict(kind="int8_k"), 4, 8, False),  # a scale per KV head
+    (dict(head_dim=128), 4, 8, False),  # measured at head_dim 64 only
+    (dict(layout="HND"), 4, 8, False),  # a token's heads are not side by side
+])
+def test_short_16_bit_queries_at_64_run_two_kv_heads_as_one(gb, spec, q_len, batch, pairs):
+    spec = {"kind": "float", "head_dim": 64, **spec}
+    case = _int8k([q_len] * batch, [100, 7] * (batch // 2) + [9] * (batch % 2),
+                  num_q_heads=32, num_kv_heads=4, **spec)
+    assert gb.PAIRS_MIN_FILL * gb.sm_count(case.query.device) == pytest.approx(7.2)
+    plan = gb.default_plan(case.call(max_query_len=q_len))
+    assert plan.kv_pairs == pairs
+    if pairs:  # one consumer's rows hold both groups' heads
+        assert (plan.block_m, plan.pack, plan.tokens) == (64, 16, 64 // 16)
+
+
 def _query_view(layout: str, tokens: int = 40, heads: int = 8, dim: int = 128):
     """A bf16 query [tokens, heads, dim] with the strides of ``layout``."""
     if layout == "contiguous":
@@ -727,6 +767,39 @@ def test_two_ctas_per_sm_match_the_reference(gb, kind, head_dim):
         assert plan.block_m == 64
         got = case.run_backend(gb.BACKEND, plan, **hints)
         assert numerics.rel_err(got, want) <= tol, plan
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "group", "block_size"), [(64, 8, 16), (64, 4, 256),
+                                                               (128, 4, 16)])
+def test_two_kv_heads_as_one_match_the_reference(gb, dtype, head_dim, group, block_size):
+    """kv_pairs: each two KV heads' tiles as one head of twice the head_dim, each query row
+    in its own half of the columns, into NaN: at head_dim 64 one consumer's rows (the tiles
+    of the paired default) and 128 rows of both groups' heads, at 128 a pair of 256 (the
+    16-bit tiles there); against the reference and the same launch without pairs."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    case = _int8k([4, 2, 4, 1, 3], [1000, 0, 37, 5, 300], device="cuda", seed=13, kind="float",
+                  head_dim=head_dim, dtype=dtype, block_size=block_size,
+                  num_q_heads=4 * group, num_kv_heads=4)
+    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+    call = case.call(**hints)
+    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+    want = case.reference()
+    pair = dict(kv_pairs=True, pack=2 * group)
+    if head_dim == 64:
+        plans = [gb.make_plan(call, **pair, block_m=block_m, block_n=64, stages=4)
+                 for block_m in (64, 128)]
+    else:
+        plans = [gb.make_plan(call, **pair, block_m=128, block_n=64, stages=2, kv_rings=True,
+                              v_loader=True)]
+    for plan in plans:
+        got = case.run_backend(gb.BACKEND, plan, **hints)
+        assert numerics.rel_err(got, want) <= tol, plan
+        alone = case.run_backend(gb.BACKEND, dataclasses.replace(
+            plan, kv_pairs=False, pack=math.gcd(plan.pack, group)), **hints)
+        assert numerics.rel_err(got, alone.float()) <= tol, plan
 
 
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])

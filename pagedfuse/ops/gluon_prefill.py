@@ -72,6 +72,15 @@ reach 2**LAZY_LOG2, which a 16-bit P holds; INT8 V's fp16 P' would overflow from
 of 256), so that most tiles skip the accumulator's rescale by a uniform branch. The output
 is stored from the accumulator's own layout.
 
+Two KV heads as one (``GluonPlan.kv_pairs``, 16-bit caches whose heads' rows lie side by side
+in a token's row, as NHD pages hold them): a short query's tile of one KV head's group
+leaves rows of its 64 empty (q_len 4 at a GQA group of 8: 32), each still costing the
+softmax. Viewed as one head of twice the head_dim, a pair's K and V tiles are the same
+boxes; each query row holds its head's query in its own KV head's half of the columns and
+zeros in the other, so that its scores take its own keys only, and stores its own half of
+P·V (the other half is its weights times the other head's values). The tile then packs both
+groups' rows, for twice the matrix work per score on a path its softmax bounds.
+
 Causal masking is bottom-right aligned; tiles wholly above the diagonal are never visited,
 and only tiles that reach past a row group's first row's last key or the sequence take the
 masked softmax. Lengths and block ids are clamped as in triton_prefill.py, so no value moves a
@@ -108,6 +117,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     GluonPlan,
     check_plan,
     checked_default_plans,
+    pair_view,
     swizzle_bytes,
     tile_grid,
     tma_rows,
@@ -341,32 +351,55 @@ def _online(s, m_i, l_i, row_scale, row_end, start, every_key_read, cols,
 
 
 @gluon.jit
+def _own_columns(head, offs_d, HEAD_DIM: gl.constexpr, PAIRED_GROUP: gl.constexpr):
+    """With two KV heads as one (kv_pairs; PAIRED_GROUP: the GQA group of each), per query
+    head and tile column: the column of the head's own row it is, and whether it is one (a
+    head's row is the half of the tile's columns that its KV head fills)."""
+    D: gl.constexpr = HEAD_DIM // 2
+    col = offs_d[None, :] - ((head // PAIRED_GROUP) % 2 * D)[:, None]
+    return col, (col >= 0) & (col < D)
+
+
+@gluon.jit
 def _store_rows(out_ptr, acc, l_i, row0, t0, q_start, q_len, num_q_heads, pid_h,
                 PACK: gl.constexpr, TOKENS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                PV: gl.constexpr):
+                PV: gl.constexpr, PAIRED_GROUP: gl.constexpr = 0):
     """out rows [row0, row0 + acc rows) of this tile: acc / l (a row that saw no key writes
     zeros), stored from the accumulator's own layout: a conversion to a row-wise one would
     take a scratch buffer of shared memory as large as the rows, for the kernel's whole
-    life."""
+    life. With two KV heads as one, each row stores its own half (``_own_columns``)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
     o = (acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
     rows = row0 + gl.arange(0, acc.shape[0], gl.SliceLayout(1, PV))
     t = t0 + rows // PACK
     ok = (t < q_len) & (rows < TOKENS * PACK)
-    out_row = (q_start + t).to(gl.int64) * num_q_heads + pid_h * PACK + rows % PACK
+    head = pid_h * PACK + rows % PACK
+    out_row = (q_start + t).to(gl.int64) * num_q_heads + head
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, PV))
-    gl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=ok[:, None])
+    if PAIRED_GROUP:
+        col, own = _own_columns(head, offs_d, HEAD_DIM, PAIRED_GROUP)
+        gl.store(out_ptr + out_row[:, None] * (HEAD_DIM // 2) + col, o,
+                 mask=ok[:, None] & own)
+    else:
+        gl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=ok[:, None])
 
 
 @gluon.jit
 def _load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
-            PACK: gl.constexpr, HEAD_DIM: gl.constexpr, COPY: gl.constexpr):
+            PACK: gl.constexpr, HEAD_DIM: gl.constexpr, COPY: gl.constexpr,
+            PAIRED_GROUP: gl.constexpr = 0):
     """The query rows of this tile (int8 or 16-bit), token-major over the packed heads. A
     row past the sequence's queries (never stored) reads its last one: no mask, so that no
-    predicate of it stays live to the store (the consumers spilled them)."""
+    predicate of it stays live to the store (the consumers spilled them). With two KV heads
+    as one, a row holds its head's query in its own half of the columns and zeros in the
+    other (``_own_columns``), so that its scores take its own KV head's keys only."""
     t = gl.minimum(t0 + rows // PACK, q_len - 1)
-    off = (q_start + t).to(gl.int64) * stride_qt + (pid_h * PACK + rows % PACK) * stride_qh
+    head = pid_h * PACK + rows % PACK
+    off = (q_start + t).to(gl.int64) * stride_qt + head * stride_qh
     offs_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, COPY))
+    if PAIRED_GROUP:
+        col, own = _own_columns(head, offs_d, HEAD_DIM, PAIRED_GROUP)
+        return gl.load(q_ptr + off[:, None] + col, mask=own, other=0)
     return gl.load(q_ptr + off[:, None] + offs_d[None, :])
 
 
@@ -713,10 +746,10 @@ def _wait_pv(acc_tok, l_tok, p16, TENSOR_SUMS: gl.constexpr):
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr,
-              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr):
+              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, PAIRED_GROUP: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over the CTA's key tiles, or
     with OWN_TILES those its own rows read (``args``: one tuple for both consumers, since a
-    partition's arguments cannot be spliced)."""
+    partition's arguments cannot be spliced); PAIRED_GROUP: ``_own_columns``."""
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
@@ -740,7 +773,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     q_buf = q_smem.index(WG)
     if q_desc is None:
         q_buf.store(_load_q(q_ptr, rows, t0, q_start, q_len, pid_h, stride_qt, stride_qh,
-                            PACK, HEAD_DIM, COPY))
+                            PACK, HEAD_DIM, COPY, PAIRED_GROUP))
         fence_async_shared()  # the wgmma read it through the async proxy
     else:  # the producer's TMA boxes
         mbarrier.wait(q_ready.index(0), 0)
@@ -839,7 +872,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     if not CUDA_SUMS:  # every column of acc_l holds its row's sum
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
     _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h, PACK,
-                TOKENS, HEAD_DIM, PV)
+                TOKENS, HEAD_DIM, PV, PAIRED_GROUP)
 
 
 @gluon.jit
@@ -854,14 +887,16 @@ def ws_prefill_kernel(
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
     LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, WG1_WIDENS: gl.constexpr,
-    LISTED: gl.constexpr,
+    LISTED: gl.constexpr, PAIRED_GROUP: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
     num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
     producer warp, the V loader's warp (idle without V_LOADER) and the widener's warps (idle
     without an INT8 V cache). The caches' kinds come from the arguments: an int8 query with
     its scales ``qs_ptr`` for an INT8 K cache (with ``ks_ptr``), a 16-bit one and None for a
-    16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one."""
+    16-bit K cache; ``vs_ptr`` for an INT8 V cache, None for a 16-bit one. PAIRED_GROUP (0:
+    none): the caches are views of two KV heads as one of twice the head_dim, GROUP and
+    HEAD_DIM theirs, and the query and output keep their own (``_own_columns``)."""
     # the warpgroups that read key tiles, one per 64 rows: with WG1_WIDENS only consumer 0,
     # the second warpgroup widening INT8 V in place of WIDEN_WARPS
     CONSUMERS: gl.constexpr = 1 if WG1_WIDENS else BLOCK_M // WG_ROWS
@@ -964,7 +999,7 @@ def ws_prefill_kernel(
     if WG1_WIDENS:  # consumer 1's warpgroup widens, with a consumer's registers
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_widener, (widens, STAGES, COPY_TPW_D, 4, WG1_WIDEN_VALUES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
@@ -972,9 +1007,9 @@ def ws_prefill_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
@@ -983,7 +1018,7 @@ def ws_prefill_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
@@ -1174,10 +1209,14 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     tiles = tile_grid(call, plan, min_query_len)
     grid = ((g.num_q_heads // plan.pack, tiles.length, 1) if tiles.listed
             else (g.num_q_heads // plan.pack, tiles.per_sequence, g.batch))
+    group, head_dim = g.group, g.head_dim
+    if plan.kv_pairs:  # (check_plan: 16-bit caches whose heads' rows lie side by side)
+        kc, vc = pair_view(kc), pair_view(vc)
+        group, head_dim = 2 * group, 2 * head_dim
     options = dict(
-        GROUP=g.group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        HEAD_DIM=g.head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,
-        COPY_TPW_D=min(g.head_dim // 16, 32), LISTED=tiles.listed, num_warps=plan.num_warps,
+        GROUP=group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        HEAD_DIM=head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,
+        COPY_TPW_D=min(head_dim // 16, 32), LISTED=tiles.listed, num_warps=plan.num_warps,
     )
     tensors = [q, q_scale, kc, vc, ks]
     strides = [*q.stride()[:2], *_strides(q_scale, 2), *kc.stride()[:3], *vc.stride()[:3],
@@ -1194,6 +1233,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
                        OWN_TILES=plan.own_tiles, WG1_WIDENS=plan.wg1_widens,
+                       PAIRED_GROUP=g.group if plan.kv_pairs else 0,
                        maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,

@@ -45,7 +45,13 @@ import torch
 from pagedfuse import envs
 from pagedfuse.ops.backends.registry import Backend, register_backend
 from pagedfuse.ops.call import FLOAT_OP, INT8_OP, PagedCall, options_missing
-from pagedfuse.ops.prefill_plan import NO_CUDA, capability, packed_first, prefill_unsupported
+from pagedfuse.ops.prefill_plan import (
+    NO_CUDA,
+    capability,
+    packed_first,
+    prefill_unsupported,
+    sm_count,
+)
 from pagedfuse.ops.signature_cache import SignatureCache
 
 NAME = "gluon_prefill"
@@ -179,6 +185,16 @@ TWO_CTA_MEAN_KEYS = {"float": 1536, "int8_k": TWO_CTA_KEYS}
 MAX_HEAD_DIM_64_ROWS = 128
 # Buffers where the second warpgroup widens INT8 V (wg1_widens; _plan says why)
 WG1_WIDENS_STAGES = 4
+# Two KV heads as one (kv_pairs) for 16-bit short queries at these head dims, where a tile of
+# one KV head's group would be at most half full and the pairs' CTAs (one per sequence and
+# pair) still fill at least PAIRS_MIN_FILL of a CTA per SM. On the H200 at head_dim 64
+# (tinyllama: 32 query heads, 4 KV heads, L=8192), in turns against the unpaired default
+# (bench_prefill.py --gluon-ab, record gluon_ab_h200_2026-12-03_kv_pairs.json): at B=64 (128
+# paired CTAs on 132 SMs) 0.921x the time at q_len 4 (0.1407 ms against 0.1527, 89% of the
+# byte floor against 82%), 0.919x at q_len 2 and 1; at B=16 and B=8 (32 and 16 paired CTAs)
+# 1.30-1.33x, the SMs left idle costing more than the rows saved
+PAIRS_HEAD_DIMS = frozenset((64,))
+PAIRS_MIN_FILL = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +217,10 @@ class GluonPlan:
     file, so that two short queries' one-warpgroup tiles, or at head_dim 64 two 128-row
     tiles over short contexts, share an SM), and whether the second warpgroup of a 128-row
     launch widens INT8 V for the first's 64 rows (``wg1_widens``: the tile holds 64 rows,
-    and consumer 1's warps with a consumer's registers take the widener's place)."""
+    and consumer 1's warps with a consumer's registers take the widener's place), and
+    whether two KV heads of 16-bit caches run as one of twice the head_dim (``kv_pairs``:
+    ``pair_view``; ``pack`` then divides the pair's two groups), so that a short query's
+    tile is not half empty."""
 
     block_m: int = 128
     pack: int = 1
@@ -219,6 +238,7 @@ class GluonPlan:
     max_q: int = 0
     ctas_per_sm: int = 1
     wg1_widens: bool = False
+    kv_pairs: bool = False
 
     @property
     def rows(self) -> int:
@@ -337,10 +357,16 @@ def mean_keys(call: PagedCall) -> int:
 def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     """default_plan for queries of up to ``query_bound`` tokens."""
     group, queries = call.geometry.group, max(min(query_bound, 128), 1)
+    kv_pairs = (call.geometry.head_dim in PAIRS_HEAD_DIMS and 2 * group * queries <= 64
+                and call.geometry.batch * call.geometry.num_kv_heads // 2
+                >= PAIRS_MIN_FILL * sm_count(call.device)
+                and _pairs_unsupported(call) is None)
+    group, head_dim = (2 * group, 2 * call.geometry.head_dim) if kv_pairs else (
+        group, call.geometry.head_dim)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
-    block_n, stages, kv_rings, v_loader = _ws_tiles(call)
+    block_n, stages, kv_rings, v_loader = _ws_tiles(call.kind, head_dim)
     rows_fit_64 = pack * queries <= 64
-    one_group = rows_fit_64 and call.geometry.head_dim <= MAX_HEAD_DIM_64_ROWS
+    one_group = rows_fit_64 and head_dim <= MAX_HEAD_DIM_64_ROWS
     # the query by TMA: at a CTA's start the consumers' own loads took 1.5 µs on the H200's
     # eight 2K prompts (llama3_8b), and the boxes 0.96-0.98x the time of every kind but INT8
     # K+V, where they took 1.005-1.03x (benchmarks/results/probes_h200_2026-12-02_q_tma.json).
@@ -378,9 +404,9 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
         stages = WG1_WIDENS_STAGES
     plan = GluonPlan(block_m=64 if one_group else 128, pack=pack, block_n=block_n,
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
-                     sum_mma=sum_mma, lazy_max=v16 and call.geometry.head_dim == 256,
+                     sum_mma=sum_mma, lazy_max=v16 and head_dim == 256,
                      own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm,
-                     wg1_widens=wg1_widens)
+                     wg1_widens=wg1_widens, kv_pairs=kv_pairs)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -390,12 +416,37 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
     """``plan`` on the "cp" pipeline, with its tiles and without what only "ws" has."""
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                v_loader=False, sum_mma=False, lazy_max=False,
-                               own_tiles=False, ctas_per_sm=1, wg1_widens=False)
+                               own_tiles=False, ctas_per_sm=1, wg1_widens=False,
+                               kv_pairs=False)
 
 
-def _ws_tiles(call: PagedCall) -> tuple[int, int, bool, bool]:
-    """The "ws" kernel's default keys per tile, buffers, kv_rings and v_loader for ``call``."""
-    return WS_TILES.get((call.kind, call.geometry.head_dim), (128, 3, False, False))
+def _ws_tiles(kind: str, head_dim: int) -> tuple[int, int, bool, bool]:
+    """The "ws" kernel's default keys per tile, buffers, kv_rings and v_loader."""
+    return WS_TILES.get((kind, head_dim), (128, 3, False, False))
+
+
+def pair_view(cache: torch.Tensor) -> torch.Tensor:
+    """A cache [blocks, tokens, heads, D] as [blocks, tokens, heads / 2, 2 D]: each two KV
+    heads as one (``GluonPlan.kv_pairs``; ``_pairs_unsupported`` says where it cannot be)."""
+    return cache.view(*cache.shape[:2], cache.shape[2] // 2, 2 * cache.shape[3])
+
+
+def _pairs_unsupported(call: PagedCall) -> str | None:
+    """Why two KV heads of ``call`` cannot run as one (kv_pairs)."""
+    g = call.geometry
+    if call.kind != "float":
+        return (f"{call.kind} caches: each KV head has scales of its own (kv_pairs takes "
+                "16-bit caches)")
+    if g.num_kv_heads % 2 or 2 * g.head_dim not in HEAD_DIMS:
+        return (f"{g.num_kv_heads} KV heads of head_dim {g.head_dim}: kv_pairs needs an even "
+                f"count and twice the head_dim in {sorted(HEAD_DIMS)}")
+    for name, cache in (("key_cache", call.key_cache), ("value_cache", call.value_cache)):
+        if cache.stride(3) != 1 or cache.stride(2) != g.head_dim:
+            return (f"{name}: strides {tuple(cache.stride())}: kv_pairs needs each token's "
+                    "heads side by side (head stride = head_dim, unit-stride dims)")
+        if why := view_unsupported(name, pair_view(cache)):
+            return why
+    return None
 
 
 def _cp_unsupported(call: PagedCall) -> str | None:
@@ -474,16 +525,22 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: {why}")
     if plan.block_m not in BLOCK_MS:
         raise ValueError(f"plan: block_m {plan.block_m} not in {BLOCK_MS}")
-    if (plan.pipeline == "ws" and plan.block_m == 64
-            and call.geometry.head_dim > MAX_HEAD_DIM_64_ROWS):
+    if plan.kv_pairs and plan.pipeline != "ws":
+        raise ValueError(f"plan: kv_pairs is for the 'ws' pipeline, not {plan.pipeline!r}")
+    if plan.kv_pairs and (why := _pairs_unsupported(call)):
+        raise ValueError(f"plan: kv_pairs: {why}")
+    # the kernel's KV heads: with kv_pairs, two as one of twice the head_dim
+    pairs = 2 if plan.kv_pairs else 1
+    head_dim, group = pairs * call.geometry.head_dim, pairs * call.geometry.group
+    if plan.pipeline == "ws" and plan.block_m == 64 and head_dim > MAX_HEAD_DIM_64_ROWS:
         raise ValueError(f"plan: block_m 64 with pipeline 'ws' runs head_dim up to "
-                         f"{MAX_HEAD_DIM_64_ROWS}, not {call.geometry.head_dim} (one "
-                         "consumer's registers do not hold its accumulator)")
+                         f"{MAX_HEAD_DIM_64_ROWS}, not {head_dim} (one consumer's registers "
+                         "do not hold its accumulator)")
     if plan.block_n not in BLOCK_NS:
         raise ValueError(f"plan: block_n {plan.block_n} not in {BLOCK_NS}")
-    if plan.pack < 1 or call.geometry.group % plan.pack or plan.pack > plan.block_m:
-        raise ValueError(f"plan: pack {plan.pack} must divide the GQA group "
-                         f"{call.geometry.group} and be <= block_m {plan.block_m}")
+    if plan.pack < 1 or group % plan.pack or plan.pack > plan.block_m:
+        raise ValueError(f"plan: pack {plan.pack} must divide the GQA group {group} and be "
+                         f"<= block_m {plan.block_m}")
     if plan.stages < MIN_STAGES[plan.pipeline]:
         raise ValueError(f"plan: stages {plan.stages} must be >= {MIN_STAGES[plan.pipeline]} "
                          f"for pipeline {plan.pipeline!r}")
@@ -508,10 +565,10 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} not in {CTAS_PER_SM}")
     if plan.ctas_per_sm > 1 and plan.pipeline != "ws":
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} is for the 'ws' pipeline")
-    if plan.ctas_per_sm > 1 and plan.block_m == 128 and call.geometry.head_dim != 64:
+    if plan.ctas_per_sm > 1 and plan.block_m == 128 and head_dim != 64:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 runs head_dim "
-                         f"64 only, not {call.geometry.head_dim} (two consumers' accumulators "
-                         "do not fit their share of the register file)")
+                         f"64 only, not {head_dim} (two consumers' accumulators do not fit "
+                         "their share of the register file)")
     if plan.ctas_per_sm > 1 and plan.block_m == 128 and plan.block_n > 64:
         raise ValueError(f"plan: ctas_per_sm {plan.ctas_per_sm} with block_m 128 takes block_n "
                          f"up to 64, not {plan.block_n} (a consumer's scores and weights do "
@@ -545,7 +602,7 @@ def call_unsupported(call: PagedCall) -> str | None:
     cache = (*call.key_cache.shape, *call.key_cache.stride(), *call.value_cache.stride())
     if not all(isinstance(n, int) for n in cache):
         return "cache sizes or strides are dynamic: the TMA views are built from them"
-    why = tma_unsupported(call, _ws_tiles(call)[0])
+    why = tma_unsupported(call, _ws_tiles(call.kind, call.geometry.head_dim)[0])
     if why and (cp := _cp_unsupported(call)):
         return f"{why}; {cp}"
     return None
