@@ -85,6 +85,7 @@ short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
 # tiles with INT8 V (two buffers of 64 keys); the cp pipeline at page 1; INT8 V widened by
 # the second warpgroup (wg1_widens) at head_dim 256, chosen and by default with its four
 # buffers; two 16-bit KV heads as one (kv_pairs) at head_dim 64, in 64- and 128-row tiles;
+# the output by TMA (o_tma) where a warpgroup's rows are all in the query, else by threads;
 # a tile list over 201 sequences (two steps of its search). Then mixed_batch (the CUDA
 # decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,
@@ -113,6 +114,7 @@ if gluon_prefill.supports(gpu_case(**prefill, head_dim=128, kind="int8_k").call(
         *((dict(prefill, head_dim=64, q_lens=(4, 3, 1), num_q_heads=32),
            dict(backend="gluon_prefill", max_query_len=4, kv_pairs=True, pack=16,
                 block_m=block_m, block_n=64, stages=4)) for block_m in (64, 128)),
+        (dict(prefill, head_dim=128), dict(backend="gluon_prefill", o_tma=True)),
         (dict(prefill, head_dim=128, q_lens=many, seq_lens=tuple(q + 20 for q in many)),
          dict(backend="gluon_prefill")),
         (dict(prefill, head_dim=128, kind="int8_kv"),

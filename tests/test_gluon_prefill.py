@@ -142,6 +142,13 @@ def test_default_plan(gb, q_lens, group, plan):
     assert cp.num_warps == cp.block_m // 16
 
 
+@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
+def test_16_bit_queries_store_their_output_by_tma(gb, kind):
+    """o_tma by default where the query buffer holds the output's type: 16-bit K caches."""
+    call = _int8k([300, 2], [10, 10], kind=kind).call(max_query_len=300)
+    assert gb.default_plan(call).o_tma == (kind == "float")
+
+
 @pytest.mark.parametrize(("q_lens", "hint", "launches"), [
     ([300, 2], None, ((64, 4, 1, 0, 16), (128, 1, 3, 17, 0))),  # a packed launch, then the rest
     ([300, 300], 300, ((128, 1, 3, 0, 0),)),  # the sizes prove the lengths equal
@@ -340,6 +347,7 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="cp", sum_mma=True), "plan: sum_mma is for the 'ws' pipeline, not 'cp'"),
     (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
     (dict(pipeline="cp", own_tiles=True), "plan: own_tiles is for the 'ws' pipeline"),
+    (dict(pipeline="cp", o_tma=True), "plan: o_tma is for the 'ws' pipeline"),
     (dict(ctas_per_sm=3), "plan: ctas_per_sm 3 not in (1, 2)"),
     (dict(block_m=128, ctas_per_sm=2), "plan: ctas_per_sm 2 with block_m 128 runs head_dim "
                                        "64 only, not 128"),
@@ -719,6 +727,30 @@ def test_consumers_that_stop_at_their_own_tiles_change_nothing(gb, kind, kv_ring
     assert torch.equal(outs[0], outs[1])  # (NaN-filled first: every row written)
     tol = numerics.kernel_tolerance(case.query.dtype, case.call().kind)
     assert numerics.rel_err(outs[1], case.reference()) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_output_by_tma_changes_nothing(gb, head_dim, dtype):
+    """o_tma: a consumer whose 64 rows are all in the query stores them by TMA boxes from its
+    query buffer, any other by its threads' own stores (a query's last tile, rows past a
+    short query): bit-identical to every row stored by its threads, into NaN, and within the
+    reference's tolerance; with an INT8 K cache (an int8 query buffer) the plan keeps its
+    threads' stores."""
+    if why := _gpu_ready(gb):
+        pytest.skip(why)
+    for kind in ("float", "int8_k"):
+        case = _int8k([130, 64, 1, 300, 17], [1000, 0, 5, 37, 1], device="cuda", seed=17,
+                      kind=kind, head_dim=head_dim, dtype=dtype,
+                      num_q_heads=24 if head_dim == 256 else 16)
+        hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
+        call = case.call(**hints)
+        outs = [case.run_backend(gb.BACKEND, gb.make_plan(call, o_tma=on), **hints)
+                for on in (False, True)]
+        assert torch.equal(outs[0], outs[1]), kind
+        tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+        assert numerics.rel_err(outs[1], case.reference()) <= tol, kind
 
 
 @pytest.mark.cuda

@@ -70,7 +70,9 @@ ones beside P·V, so the sums are of P as P·V takes it), and with ``GluonPlan.l
 warp's rows keep their maxima until one would grow by more than LAZY_LOG2 (weights then
 reach 2**LAZY_LOG2, which a 16-bit P holds; INT8 V's fp16 P' would overflow from a V scale
 of 256), so that most tiles skip the accumulator's rescale by a uniform branch. The output
-is stored from the accumulator's own layout.
+is stored from the accumulator's own layout, or with ``GluonPlan.o_tma`` (16-bit queries
+loaded by TMA) a warpgroup whose rows are all in the query writes them into its query
+buffer and stores them by TMA boxes, so that its CTA ends sooner.
 
 Two KV heads as one (``GluonPlan.kv_pairs``, 16-bit caches whose heads' rows lie side by side
 in a token's row, as NHD pages hold them): a short query's tile of one KV head's group
@@ -382,6 +384,22 @@ def _store_rows(out_ptr, acc, l_i, row0, t0, q_start, q_len, num_q_heads, pid_h,
                  mask=ok[:, None] & own)
     else:
         gl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=ok[:, None])
+
+
+@gluon.jit
+def _store_rows_by_tma(o_desc, q_buf, acc, l_i, row, col, PV: gl.constexpr):
+    """A warpgroup's 64 rows, every one of them in the query, by TMA boxes from its query
+    buffer (its last Q·K^T is done): acc / l in the output's type into shared memory, then
+    a box per swizzle span at the output view's ``row``, ``col``; the CTA exits only once
+    the boxes have read the buffer."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
+    q_buf.store((acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(q_buf.dtype))
+    fence_async_shared()  # the TMA reads it through the async proxy
+    W: gl.constexpr = o_desc.block_type.shape[1]
+    for c in gl.static_range(q_buf.type.shape[1] // W):
+        tma.async_copy_shared_to_global(o_desc, [row, col + c * W],
+                                        _box(q_buf, c, 0, q_buf.type.shape[0], o_desc))
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -753,7 +771,7 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
      v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
      q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh, stride_qst,
-     stride_qsh, q_desc, q_ready, ones_smem) = args
+     stride_qsh, q_desc, q_ready, ones_smem, o_desc) = args
     TOKENS: gl.constexpr = WG_ROWS * CONSUMERS // PACK
     COPY: gl.constexpr = gl.BlockedLayout([1, 16], [32 // COPY_TPW_D, COPY_TPW_D], [4, 1],
                                           [1, 0])
@@ -871,13 +889,17 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
                 _pass_turn(turn, WG, CONSUMERS)
     if not CUDA_SUMS:  # every column of acc_l holds its row's sum
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
-    _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h, PACK,
-                TOKENS, HEAD_DIM, PV, PAIRED_GROUP)
+    if o_desc is not None and t_first + WG_ROWS <= q_len:  # (pack 1: a row is a token)
+        _store_rows_by_tma(o_desc, q_buf, acc, l_i, q_start + t_first, pid_h * HEAD_DIM, PV)
+    else:
+        _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h,
+                    PACK, TOKENS, HEAD_DIM, PV, PAIRED_GROUP)
 
 
 @gluon.jit
 def ws_prefill_kernel(
-    q_ptr, qs_ptr, q_desc, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, qs_ptr, q_desc, o_desc, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
+    seq_lens_ptr,
     qsl_ptr, out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
@@ -992,7 +1014,7 @@ def ws_prefill_kernel(
     rows = (q_ptr, qs_ptr, out_ptr, q_smem, k_smem, v_smem, ks_smem, vs_smem, v16_smem, k_ready,
             v_ready, k_empty, v_empty, v16_ready, v16_empty, turn, sm_scale_log2, num_q_heads,
             q_start, q_len, seq_len, ctx, hi, num_tiles, t0, pid_h, stride_qt, stride_qh,
-            stride_qst, stride_qsh, q_desc, q_ready, ones_smem)
+            stride_qst, stride_qsh, q_desc, q_ready, ones_smem, o_desc)
     widens = (v_smem, v16_smem, v_ready, v_empty, v16_ready, v16_empty, num_tiles)
     # the producer warp loads K, and V unless the V loader (a warp of its own) does
     K_AND_V: gl.constexpr = not V_LOADER
@@ -1225,7 +1247,12 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     if plan.pipeline == "ws":
         box = min(g.block_size, plan.block_n)
         kernel = ws_prefill_kernel
-        tensors[2:2] = [_q_descriptor(q, plan), _descriptor(kc, box), _descriptor(vc, box)]
+        q_desc = _q_descriptor(q, plan)
+        # the output by TMA from the query's buffer, where that holds its rows: the query by
+        # TMA (pack 1), of the output's type (16-bit K caches)
+        o_desc = (_descriptor(out.unsqueeze(0), WG_ROWS.value) if plan.o_tma and q_desc
+                  is not None and q.dtype == out.dtype and out.data_ptr() % 16 == 0 else None)
+        tensors[2:2] = [q_desc, o_desc, _descriptor(kc, box), _descriptor(vc, box)]
         tensors.append(vs)
         strides += _strides(vs, 3)
         consumer_regs, producer_regs = plan.worker_regs

@@ -220,7 +220,9 @@ class GluonPlan:
     and consumer 1's warps with a consumer's registers take the widener's place), and
     whether two KV heads of 16-bit caches run as one of twice the head_dim (``kv_pairs``:
     ``pair_view``; ``pack`` then divides the pair's two groups), so that a short query's
-    tile is not half empty."""
+    tile is not half empty, and whether a consumer stores its rows by TMA boxes from its
+    query buffer where the query came by TMA in the output's type and every row is in the
+    query (``o_tma``; else each thread stores its own values)."""
 
     block_m: int = 128
     pack: int = 1
@@ -239,6 +241,7 @@ class GluonPlan:
     ctas_per_sm: int = 1
     wg1_widens: bool = False
     kv_pairs: bool = False
+    o_tma: bool = False
 
     @property
     def rows(self) -> int:
@@ -386,6 +389,10 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # llama3_8b's to 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its
     # real entries taking 0.425 ms against 0.353 alone (not located: their loops compile
     # alike), and 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
+    # The output by TMA from the query's buffer (16-bit K: an int8 query's buffer is too
+    # small) took 0.94x the time on eight 2K prompts (llama3_8b and qwen35), 0.96x at
+    # tinyllama, 0.97-1.00x on the 8K prompt and chunks, in turns on the H200
+    # (gluon_ab_h200_2026-12-03_o_tma.json): the rows' own stores had ended each CTA
     ctas_per_sm, sum_mma = 1, v16
     if one_group and (short := SHORT_INT8_TILES.get((call.kind, call.geometry.head_dim))):
         (block_n, stages), ctas_per_sm = short, 2
@@ -406,7 +413,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=sum_mma, lazy_max=v16 and head_dim == 256,
                      own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm,
-                     wg1_widens=wg1_widens, kv_pairs=kv_pairs)
+                     wg1_widens=wg1_widens, kv_pairs=kv_pairs, o_tma=call.kind == "float")
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
@@ -417,7 +424,7 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                v_loader=False, sum_mma=False, lazy_max=False,
                                own_tiles=False, ctas_per_sm=1, wg1_widens=False,
-                               kv_pairs=False)
+                               kv_pairs=False, o_tma=False)
 
 
 def _ws_tiles(kind: str, head_dim: int) -> tuple[int, int, bool, bool]:
@@ -549,7 +556,7 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
-    for flag in ("sum_mma", "lazy_max", "own_tiles"):
+    for flag in ("sum_mma", "lazy_max", "own_tiles", "o_tma"):
         if getattr(plan, flag) and plan.pipeline != "ws":
             raise ValueError(f"plan: {flag} is for the 'ws' pipeline, not {plan.pipeline!r}")
     if plan.sum_mma and call.kind == "int8_kv":
