@@ -363,15 +363,21 @@ def _own_columns(head, offs_d, HEAD_DIM: gl.constexpr, PAIRED_GROUP: gl.constexp
 
 
 @gluon.jit
+def _normalized(acc, l_i, PV: gl.constexpr, dtype: gl.constexpr):
+    """The output rows acc / l in ``dtype`` (a row that saw no key: zeros)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
+    return (acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(dtype)
+
+
+@gluon.jit
 def _store_rows(out_ptr, acc, l_i, row0, t0, q_start, q_len, num_q_heads, pid_h,
                 PACK: gl.constexpr, TOKENS: gl.constexpr, HEAD_DIM: gl.constexpr,
                 PV: gl.constexpr, PAIRED_GROUP: gl.constexpr = 0):
-    """out rows [row0, row0 + acc rows) of this tile: acc / l (a row that saw no key writes
-    zeros), stored from the accumulator's own layout: a conversion to a row-wise one would
-    take a scratch buffer of shared memory as large as the rows, for the kernel's whole
-    life. With two KV heads as one, each row stores its own half (``_own_columns``)."""
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
-    o = (acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    """out rows [row0, row0 + acc rows) of this tile (``_normalized``), stored from the
+    accumulator's own layout: a conversion to a row-wise one would take a scratch buffer of
+    shared memory as large as the rows, for the kernel's whole life. With two KV heads as
+    one, each row stores its own half (``_own_columns``)."""
+    o = _normalized(acc, l_i, PV, out_ptr.dtype.element_ty)
     rows = row0 + gl.arange(0, acc.shape[0], gl.SliceLayout(1, PV))
     t = t0 + rows // PACK
     ok = (t < q_len) & (rows < TOKENS * PACK)
@@ -392,8 +398,7 @@ def _store_rows_by_tma(o_desc, q_buf, acc, l_i, row, col, PV: gl.constexpr):
     buffer (its last Q·K^T is done): acc / l in the output's type into shared memory, then
     a box per swizzle span at the output view's ``row``, ``col``; the CTA exits only once
     the boxes have read the buffer."""
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, PV))
-    q_buf.store((acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(q_buf.dtype))
+    q_buf.store(_normalized(acc, l_i, PV, q_buf.dtype))
     fence_async_shared()  # the TMA reads it through the async proxy
     W: gl.constexpr = o_desc.block_type.shape[1]
     for c in gl.static_range(q_buf.type.shape[1] // W):
@@ -899,8 +904,8 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
 @gluon.jit
 def ws_prefill_kernel(
     q_ptr, qs_ptr, q_desc, o_desc, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr,
-    seq_lens_ptr,
-    qsl_ptr, out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks, max_blocks,
+    seq_lens_ptr, qsl_ptr, out_ptr, sm_scale_log2, num_tokens, num_q_heads, num_blocks,
+    max_blocks,
     stride_qt, stride_qh, stride_qst, stride_qsh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb,
     stride_vst, stride_vsh, stride_btb, stride_btn, min_q, max_q, batch, max_tiles,
