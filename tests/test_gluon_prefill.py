@@ -11,8 +11,10 @@ varlen INT8 K batches (q_len 1, 4, 17, 128, 2048 and others, histories 0, 1, 100
 others, causal or not, pages of 1, 16, 32 and 256, NHD and HND, GQA 4 and 8, head_dim 128)
 for each pipeline and tile shape; bf16/fp16 K and V and INT8 K+V at head_dim 64, 128 and
 256 and INT8 K at 64 and 256 on the "ws" kernel; two CTAs per SM of short queries'
-one-warpgroup tiles and of 128-row tiles at head_dim 64; long INT8 K+V queries on the
-dequantized copy at 64, 128 and 256; all against the float64 reference into
+one-warpgroup tiles and of 128-row tiles at head_dim 64; two 16-bit KV heads as one
+(kv_pairs) and the output by TMA (o_tma), each also against the launch without it; long
+INT8 K+V queries on the dequantized copy at 64, 128 and 256; all against the float64
+reference into
 NaN-poisoned outputs, directly, through the op with PAGEDFUSE_BACKEND and through the shared
 conformance runner; and 100 CUDA graph replays per kind.
 """
