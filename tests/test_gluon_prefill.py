@@ -14,9 +14,8 @@ for each pipeline and tile shape; bf16/fp16 K and V and INT8 K+V at head_dim 64,
 one-warpgroup tiles and of 128-row tiles at head_dim 64; two 16-bit KV heads as one
 (kv_pairs) and the output by TMA (o_tma), each also against the launch without it; long
 INT8 K+V queries on the dequantized copy at 64, 128 and 256; all against the float64
-reference into
-NaN-poisoned outputs, directly, through the op with PAGEDFUSE_BACKEND and through the shared
-conformance runner; and 100 CUDA graph replays per kind.
+reference into NaN-poisoned outputs, directly, through the op with PAGEDFUSE_BACKEND and
+through the shared conformance runner; and 100 CUDA graph replays per kind.
 """
 
 from __future__ import annotations
