@@ -738,17 +738,22 @@ def test_the_output_by_tma_changes_nothing(gb, head_dim, dtype):
     query buffer, any other by its threads' own stores (a query's last tile, rows past a
     short query): bit-identical to every row stored by its threads, into NaN, and within the
     reference's tolerance; with an INT8 K cache (an int8 query buffer) the plan keeps its
-    threads' stores."""
+    threads' stores (the launch has no output view)."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
+    from pagedfuse.ops import gluon_prefill as gp  # the kernel module: Gluon
+
     for kind in ("float", "int8_k"):
         case = _int8k([130, 64, 1, 300, 17], [1000, 0, 5, 37, 1], device="cuda", seed=17,
                       kind=kind, head_dim=head_dim, dtype=dtype,
                       num_q_heads=24 if head_dim == 256 else 16)
         hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
         call = case.call(**hints)
-        outs = [case.run_backend(gb.BACKEND, gb.make_plan(call, o_tma=on), **hints)
-                for on in (False, True)]
+        plans = [gb.make_plan(call, o_tma=on) for on in (False, True)]
+        q = gp.quantize_int8(call.query) if call.int8_k else (call.query, None)
+        launch = gp.launch_args(call, torch.empty_like(call.query), plans[1], *q)
+        assert (launch.args[3] is not None) == (kind == "float"), kind  # o_desc
+        outs = [case.run_backend(gb.BACKEND, plan, **hints) for plan in plans]
         assert torch.equal(outs[0], outs[1]), kind
         tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
         assert numerics.rel_err(outs[1], case.reference()) <= tol, kind

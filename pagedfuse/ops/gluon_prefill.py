@@ -119,6 +119,7 @@ from pagedfuse.ops.backends.gluon_prefill import (
     GluonPlan,
     check_plan,
     checked_default_plans,
+    kernel_heads,
     pair_view,
     swizzle_bytes,
     tile_grid,
@@ -1236,10 +1237,9 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
     tiles = tile_grid(call, plan, min_query_len)
     grid = ((g.num_q_heads // plan.pack, tiles.length, 1) if tiles.listed
             else (g.num_q_heads // plan.pack, tiles.per_sequence, g.batch))
-    group, head_dim = g.group, g.head_dim
+    group, head_dim = kernel_heads(call, plan.kv_pairs)
     if plan.kv_pairs:  # (check_plan: 16-bit caches whose heads' rows lie side by side)
         kc, vc = pair_view(kc), pair_view(vc)
-        group, head_dim = 2 * group, 2 * head_dim
     options = dict(
         GROUP=group, PACK=plan.pack, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         HEAD_DIM=head_dim, PAGE=g.block_size, STAGES=plan.stages, CAUSAL=call.causal,

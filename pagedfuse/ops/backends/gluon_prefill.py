@@ -364,8 +364,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
                 and call.geometry.batch * call.geometry.num_kv_heads // 2
                 >= PAIRS_MIN_FILL * sm_count(call.device)
                 and _pairs_unsupported(call) is None)
-    group, head_dim = (2 * group, 2 * call.geometry.head_dim) if kv_pairs else (
-        group, call.geometry.head_dim)
+    group, head_dim = kernel_heads(call, kv_pairs)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
     block_n, stages, kv_rings, v_loader = _ws_tiles(call.kind, head_dim)
     rows_fit_64 = pack * queries <= 64
@@ -430,6 +429,13 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
 def _ws_tiles(kind: str, head_dim: int) -> tuple[int, int, bool, bool]:
     """The "ws" kernel's default keys per tile, buffers, kv_rings and v_loader."""
     return WS_TILES.get((kind, head_dim), (128, 3, False, False))
+
+
+def kernel_heads(call: PagedCall, kv_pairs: bool) -> tuple[int, int]:
+    """The GQA group and head_dim of the KV heads the kernel runs: with ``kv_pairs`` two of
+    ``call``'s as one (``pair_view``)."""
+    pairs = 2 if kv_pairs else 1
+    return pairs * call.geometry.group, pairs * call.geometry.head_dim
 
 
 def pair_view(cache: torch.Tensor) -> torch.Tensor:
@@ -536,9 +542,7 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
         raise ValueError(f"plan: kv_pairs is for the 'ws' pipeline, not {plan.pipeline!r}")
     if plan.kv_pairs and (why := _pairs_unsupported(call)):
         raise ValueError(f"plan: kv_pairs: {why}")
-    # the kernel's KV heads: with kv_pairs, two as one of twice the head_dim
-    pairs = 2 if plan.kv_pairs else 1
-    head_dim, group = pairs * call.geometry.head_dim, pairs * call.geometry.group
+    group, head_dim = kernel_heads(call, plan.kv_pairs)
     if plan.pipeline == "ws" and plan.block_m == 64 and head_dim > MAX_HEAD_DIM_64_ROWS:
         raise ValueError(f"plan: block_m 64 with pipeline 'ws' runs head_dim up to "
                          f"{MAX_HEAD_DIM_64_ROWS}, not {head_dim} (one consumer's registers "
