@@ -85,7 +85,8 @@ short_cases = [short_case(32, 64, "int8_kv"), short_case(16, 128, "int8_kv"),
 # tiles with INT8 V (two buffers of 64 keys); the cp pipeline at page 1; INT8 V widened by
 # the second warpgroup (wg1_widens) at head_dim 256, chosen and by default with its four
 # buffers; two 16-bit KV heads as one (kv_pairs) at head_dim 64, in 64- and 128-row tiles;
-# the output by TMA (o_tma) where a warpgroup's rows are all in the query, else by threads;
+# the output by TMA (o_tma) where a warpgroup's rows are all in the query, else by threads
+# (with INT8 K, by default here and on the dequantized copy, from a V buffer);
 # a tile list over 201 sequences (two steps of its search). Then mixed_batch (the CUDA
 # decode's rows, the Gluon kernel's chunks), and the dequantized copy.
 prefill = dict(seq_lens=(300, 45, 70), q_lens=(130, 17, 1), num_q_heads=16, num_kv_heads=4,

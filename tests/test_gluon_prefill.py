@@ -144,10 +144,11 @@ def test_default_plan(gb, q_lens, group, plan):
 
 
 @pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
-def test_16_bit_queries_store_their_output_by_tma(gb, kind):
-    """o_tma by default where the query buffer holds the output's type: 16-bit K caches."""
+def test_16_bit_v_caches_store_their_output_by_tma(gb, kind):
+    """o_tma by default where a buffer of the output's type can hold a consumer's rows: the
+    16-bit query's, or with INT8 K a 16-bit V cache's; INT8 V's buffers are int8."""
     call = _int8k([300, 2], [10, 10], kind=kind).call(max_query_len=300)
-    assert gb.default_plan(call).o_tma == (kind == "float")
+    assert gb.default_plan(call).o_tma == (kind != "int8_kv")
 
 
 @pytest.mark.parametrize(("q_lens", "hint", "launches"), [
@@ -734,29 +735,40 @@ def test_consumers_that_stop_at_their_own_tiles_change_nothing(gb, kind, kv_ring
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_the_output_by_tma_changes_nothing(gb, head_dim, dtype):
-    """o_tma: a consumer whose 64 rows are all in the query stores them by TMA boxes from its
-    query buffer, any other by its threads' own stores (a query's last tile, rows past a
-    short query): bit-identical to every row stored by its threads, into NaN, and within the
-    reference's tolerance; with an INT8 K cache (an int8 query buffer) the plan keeps its
-    threads' stores (the launch has no output view)."""
+    """o_tma: a consumer whose 64 rows are all in the query stores them by TMA boxes from a
+    buffer no one reads any more (a 16-bit query's own; with INT8 K one of V's, chosen by the
+    CTA's key tiles, so the sequences' lengths vary them), any other by its threads' own
+    stores (a query's last tile, rows past a short query): bit-identical to every row stored
+    by its threads, into NaN, and within the reference's tolerance, at the default buffers
+    and, with INT8 K, at 3 and 4 of 64 and 128 keys and one consumer; INT8 V (int8 buffers)
+    and two consumers over 2 buffers keep their threads' stores (no output view)."""
     if why := _gpu_ready(gb):
         pytest.skip(why)
     from pagedfuse.ops import gluon_prefill as gp  # the kernel module: Gluon
 
-    for kind in ("float", "int8_k"):
+    for kind in ("float", "int8_k", "int8_kv"):
         case = _int8k([130, 64, 1, 300, 17], [1000, 0, 5, 37, 1], device="cuda", seed=17,
                       kind=kind, head_dim=head_dim, dtype=dtype,
                       num_q_heads=24 if head_dim == 256 else 16)
         hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
         call = case.call(**hints)
-        plans = [gb.make_plan(call, o_tma=on) for on in (False, True)]
+        tiles = [{}]
+        if kind == "int8_k":
+            tiles += [dict(block_n=n, stages=st, ctas_per_sm=1) for n in (64, 128)
+                      for st in (3, 4) if head_dim < 256 or n == 64]
+            tiles += [dict(stages=2, ctas_per_sm=1)]
+            tiles += [dict(block_m=64, ctas_per_sm=1)] if head_dim < 256 else []
         q = gp.quantize_int8(call.query) if call.int8_k else (call.query, None)
-        launch = gp.launch_args(call, torch.empty_like(call.query), plans[1], *q)
-        assert (launch.args[3] is not None) == (kind == "float"), kind  # o_desc
-        outs = [case.run_backend(gb.BACKEND, plan, **hints) for plan in plans]
-        assert torch.equal(outs[0], outs[1]), kind
-        tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
-        assert numerics.rel_err(outs[1], case.reference()) <= tol, kind
+        for tile in tiles:
+            plans = [gb.make_plan(call, o_tma=on, **tile) for on in (False, True)]
+            launch = gp.launch_args(call, torch.empty_like(call.query), plans[1], *q)
+            by_tma = kind != "int8_kv" and not (plans[1].block_m == 128
+                                                 and plans[1].stages < 3 and call.int8_k)
+            assert (launch.args[3] is not None) == by_tma, (kind, tile)  # o_desc
+            outs = [case.run_backend(gb.BACKEND, plan, **hints) for plan in plans]
+            assert torch.equal(outs[0], outs[1]), (kind, tile)
+            tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
+            assert numerics.rel_err(outs[1], case.reference()) <= tol, (kind, tile)
 
 
 @pytest.mark.cuda

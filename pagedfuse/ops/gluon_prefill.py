@@ -70,9 +70,10 @@ ones beside P·V, so the sums are of P as P·V takes it), and with ``GluonPlan.l
 warp's rows keep their maxima until one would grow by more than LAZY_LOG2 (weights then
 reach 2**LAZY_LOG2, which a 16-bit P holds; INT8 V's fp16 P' would overflow from a V scale
 of 256), so that most tiles skip the accumulator's rescale by a uniform branch. The output
-is stored from the accumulator's own layout, or with ``GluonPlan.o_tma`` (16-bit queries
-loaded by TMA) a warpgroup whose rows are all in the query writes them into its query
-buffer and stores them by TMA boxes, so that its CTA ends sooner.
+is stored from the accumulator's own layout, or with ``GluonPlan.o_tma`` (queries loaded by
+TMA) a warpgroup whose rows are all in the query writes them into a buffer no one reads
+any more, its 16-bit query's or (an int8 query) a V buffer of the output's type
+(``_out_buffer``), and stores them by TMA boxes, so that its CTA ends sooner.
 
 Two KV heads as one (``GluonPlan.kv_pairs``, 16-bit caches whose heads' rows lie side by side
 in a token's row, as NHD pages hold them): a short query's tile of one KV head's group
@@ -394,18 +395,37 @@ def _store_rows(out_ptr, acc, l_i, row0, t0, q_start, q_len, num_q_heads, pid_h,
 
 
 @gluon.jit
-def _store_rows_by_tma(o_desc, q_buf, acc, l_i, row, col, PV: gl.constexpr):
-    """A warpgroup's 64 rows, every one of them in the query, by TMA boxes from its query
-    buffer (its last Q·K^T is done): acc / l in the output's type into shared memory, then
-    a box per swizzle span at the output view's ``row``, ``col``; the CTA exits only once
-    the boxes have read the buffer."""
-    q_buf.store(_normalized(acc, l_i, PV, q_buf.dtype))
+def _store_rows_by_tma(o_desc, buf, acc, l_i, row, col, PV: gl.constexpr):
+    """A warpgroup's 64 rows, every one of them in the query, by TMA boxes: acc / l in the
+    output's type into ``buf`` (``_out_buffer``: a [64, head_dim] tile of the output view's
+    layout that no one reads any more), then a box per swizzle span at the output view's
+    ``row``, ``col``; the CTA exits only once the boxes have read the buffer."""
+    buf.store(_normalized(acc, l_i, PV, buf.dtype))
     fence_async_shared()  # the TMA reads it through the async proxy
     W: gl.constexpr = o_desc.block_type.shape[1]
-    for c in gl.static_range(q_buf.type.shape[1] // W):
+    for c in gl.static_range(buf.type.shape[1] // W):
         tma.async_copy_shared_to_global(o_desc, [row, col + c * W],
-                                        _box(q_buf, c, 0, q_buf.type.shape[0], o_desc))
+                                        _box(buf, c, 0, buf.type.shape[0], o_desc))
     tma.store_wait(0)
+
+
+@gluon.jit
+def _out_buffer(q_buf, v_smem, qs_ptr, num_tiles, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Where a consumer puts its output rows for their TMA boxes: its query buffer where
+    that is of the output's type (a 16-bit query), else (an int8 query, whose buffer is half
+    the size; the launch passes ``o_desc`` only with a V cache of the output's type) the
+    first 64 rows of V buffer (num_tiles + WG) % STAGES. Every reader has released that one:
+    consumer 0 takes its last turn once consumer 1 issued its MMAs of turn num_tiles - 1,
+    and so released key tile num_tiles - 3; consumer 1 takes its own once consumer 0 issued
+    turn num_tiles, having released tile num_tiles - 2 (so STAGES >= 3 with two consumers;
+    one consumer has released all but its last tile). Nothing loads into it again: the
+    CTA has no key tile num_tiles."""
+    if qs_ptr is None:
+        buf = q_buf
+    else:
+        buf = v_smem.index((num_tiles + WG) % STAGES)._reinterpret(
+            v_smem.dtype, [WG_ROWS, v_smem.type.shape[2]], v_smem.layout)
+    return buf
 
 
 @gluon.jit
@@ -896,7 +916,8 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     if not CUDA_SUMS:  # every column of acc_l holds its row's sum
         l_i = gl.convert_layout(gl.max(acc_l, axis=1), gl.SliceLayout(1, QK))
     if o_desc is not None and t_first + WG_ROWS <= q_len:  # (pack 1: a row is a token)
-        _store_rows_by_tma(o_desc, q_buf, acc, l_i, q_start + t_first, pid_h * HEAD_DIM, PV)
+        _store_rows_by_tma(o_desc, _out_buffer(q_buf, v_smem, qs_ptr, num_tiles, WG, STAGES),
+                           acc, l_i, q_start + t_first, pid_h * HEAD_DIM, PV)
     else:
         _store_rows(out_ptr, acc, l_i, WG * WG_ROWS, t0, q_start, q_len, num_q_heads, pid_h,
                     PACK, TOKENS, HEAD_DIM, PV, PAIRED_GROUP)
@@ -1221,6 +1242,22 @@ def _q_descriptor(q: torch.Tensor, plan: GluonPlan) -> TensorDescriptor | None:
     return _descriptor(view, WG_ROWS.value)
 
 
+def _o_descriptor(out: torch.Tensor, plan: GluonPlan, q: torch.Tensor, q_by_tma: bool,
+                  call: PagedCall) -> TensorDescriptor | None:
+    """The output as a TMA view like the query's, where ``plan.o_tma`` asks for it and the
+    kernel has a buffer of the output's type for its rows (``_out_buffer``): the query came
+    by TMA (pack 1: a tile's rows are consecutive tokens), and the query is of the output's
+    type, or it is int8 and a 16-bit V cache is, with the three V buffers that leave one
+    free for each of two consumers; else None (each thread stores its own values)."""
+    if not plan.o_tma or not q_by_tma or out.data_ptr() % 16:
+        return None
+    if q.dtype != out.dtype and (q.dtype != torch.int8 or call.value_scale is not None
+                                 or call.value_cache.dtype != out.dtype
+                                 or (plan.block_m > WG_ROWS.value and plan.stages < 3)):
+        return None
+    return _descriptor(out.unsqueeze(0), WG_ROWS.value)
+
+
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     """A scale tensor's strides; zeros where the kernel has no such tensor (None)."""
     return t.stride() if t is not None else (0,) * n
@@ -1253,10 +1290,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
         box = min(g.block_size, plan.block_n)
         kernel = ws_prefill_kernel
         q_desc = _q_descriptor(q, plan)
-        # the output by TMA from the query's buffer, where that holds its rows: the query by
-        # TMA (pack 1), of the output's type (16-bit K caches)
-        o_desc = (_descriptor(out.unsqueeze(0), WG_ROWS.value) if plan.o_tma and q_desc
-                  is not None and q.dtype == out.dtype and out.data_ptr() % 16 == 0 else None)
+        o_desc = _o_descriptor(out, plan, q, q_desc is not None, call)
         tensors[2:2] = [q_desc, o_desc, _descriptor(kc, box), _descriptor(vc, box)]
         tensors.append(vs)
         strides += _strides(vs, 3)

@@ -220,9 +220,10 @@ class GluonPlan:
     and consumer 1's warps with a consumer's registers take the widener's place), and
     whether two KV heads of 16-bit caches run as one of twice the head_dim (``kv_pairs``:
     ``pair_view``; ``pack`` then divides the pair's two groups), so that a short query's
-    tile is not half empty, and whether a consumer stores its rows by TMA boxes from its
-    query buffer where the query came by TMA in the output's type and every row is in the
-    query (``o_tma``; else each thread stores its own values)."""
+    tile is not half empty, and whether a consumer stores its rows by TMA boxes where every
+    row is in the query and the query came by TMA, from a buffer of the output's type that
+    no one reads any more: the 16-bit query's, or with INT8 K a 16-bit V cache's (``o_tma``;
+    else each thread stores its own values)."""
 
     block_m: int = 128
     pack: int = 1
@@ -388,10 +389,13 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     # llama3_8b's to 1.14-1.16x against 1.09-1.11x, the same CTAs over a list cut to its
     # real entries taking 0.425 ms against 0.353 alone (not located: their loops compile
     # alike), and 0.97-1.02x elsewhere (probes_h200_2026-12-02_tile_list.json)
-    # The output by TMA from the query's buffer (16-bit K: an int8 query's buffer is too
-    # small) took 0.94x the time on eight 2K prompts (llama3_8b and qwen35), 0.96x at
-    # tinyllama, 0.97-1.00x on the 8K prompt and chunks, in turns on the H200
-    # (gluon_ab_h200_2026-12-03_o_tma.json): the rows' own stores had ended each CTA
+    # The output by TMA took 0.94x the time on eight 2K prompts (llama3_8b and qwen35),
+    # 0.96x at tinyllama, 0.97-1.00x on the 8K prompt and chunks with 16-bit K/V, from the
+    # query's buffer (gluon_ab_h200_2026-12-03_o_tma.json); with INT8 K, whose int8 query's
+    # buffer is half the output's size, from a V buffer: 0.92-0.96x on eight 2K prompts,
+    # 0.97-0.99x on the 8K prompt, 0.99-1.01x on chunks (gluon_ab_h200_2026-12-04_o_tma_int8_k
+    # .json), both in turns on the H200: the rows' own stores had ended each CTA. INT8 V's
+    # buffers are int8
     ctas_per_sm, sum_mma = 1, v16
     if one_group and (short := SHORT_INT8_TILES.get((call.kind, call.geometry.head_dim))):
         (block_n, stages), ctas_per_sm = short, 2
@@ -412,7 +416,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
                      stages=stages, kv_rings=kv_rings, v_loader=v_loader, q_tma=v16,
                      sum_mma=sum_mma, lazy_max=v16 and head_dim == 256,
                      own_tiles=own_tiles, tile_list=v16, ctas_per_sm=ctas_per_sm,
-                     wg1_widens=wg1_widens, kv_pairs=kv_pairs, o_tma=call.kind == "float")
+                     wg1_widens=wg1_widens, kv_pairs=kv_pairs, o_tma=v16)
     if tma_unsupported(call, plan.block_n):
         plan = _as_cp(plan)
     return plan
