@@ -346,8 +346,6 @@ def test_ws_register_budget_fits_the_register_file(gb, block_m):
     (dict(pipeline="tma"), "plan: pipeline 'tma' not in ('ws', 'cp')"),
     (dict(pipeline="cp", kv_rings=True), "plan: kv_rings: the 'cp' pipeline has one ring"),
     (dict(v_loader=True), "plan: v_loader needs kv_rings"),
-    (dict(qk_ahead=True, stages=2), "plan: qk_ahead needs stages >= 3 without kv_rings, not 2"),
-    (dict(pipeline="cp", qk_ahead=True), "plan: qk_ahead is for the 'ws' pipeline"),
     (dict(pipeline="cp", sum_mma=True), "plan: sum_mma is for the 'ws' pipeline, not 'cp'"),
     (dict(pipeline="cp", lazy_max=True), "plan: lazy_max is for the 'ws' pipeline"),
     (dict(pipeline="cp", own_tiles=True), "plan: own_tiles is for the 'ws' pipeline"),
@@ -983,32 +981,6 @@ def test_softmax_variants_match_the_reference(gb, kind, flags):
         plan = gb.make_plan(case.call(**hints), block_n=block_n, stages=2, **flags)
         got = case.run_backend(gb.BACKEND, plan, **hints)
         assert numerics.rel_err(got, want) <= tol, plan
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["float", "int8_k", "int8_kv"])
-def test_the_next_tiles_scores_ahead_change_nothing(gb, kind):
-    """qk_ahead: a consumer issues key tile j+1's Q·K^T before tile j's softmax (its last
-    tile's own again, unread), so it holds three buffers of one ring, or two of K's and V's
-    with kv_rings: bit-identical to the launch without it, into NaN, and within the
-    reference's tolerance, with queries whose rows read one key tile (a consumer's rows
-    past the query: one tile, then the rest unread), a few and many, in 64- and 128-key
-    tiles, one and two consumers, at the default tiles and with the output by TMA."""
-    if why := _gpu_ready(gb):
-        pytest.skip(why)
-    case = _int8k([130, 64, 1, 700, 17], [1000, 0, 5, 37, 1], device="cuda", seed=23,
-                  kind=kind)
-    hints = dict(max_seq_len=case.longest, max_query_len=case.longest_query)
-    call = case.call(**hints)
-    want = case.reference()
-    tol = numerics.kernel_tolerance(case.query.dtype, call.kind)
-    for tiles in ({}, dict(block_n=64, stages=3), dict(block_n=128, stages=3),
-                  dict(block_n=64, stages=2, kv_rings=True), dict(block_m=64, block_n=64,
-                                                                  stages=3)):
-        outs = [case.run_backend(gb.BACKEND, gb.make_plan(call, **tiles, qk_ahead=ahead),
-                                 **hints) for ahead in (False, True)]
-        assert torch.equal(outs[0], outs[1]), tiles
-        assert numerics.rel_err(outs[1], want) <= tol, tiles
 
 
 @pytest.mark.cuda

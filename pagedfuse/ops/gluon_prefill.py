@@ -790,8 +790,7 @@ def _wait_pv(acc_tok, l_tok, p16, TENSOR_SUMS: gl.constexpr):
 def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, COPY_TPW_D: gl.constexpr, KV_RINGS: gl.constexpr,
-              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, PAIRED_GROUP: gl.constexpr,
-              QK_AHEAD: gl.constexpr):
+              LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, PAIRED_GROUP: gl.constexpr):
     """One warpgroup: rows [WG * 64, WG * 64 + 64) of the tile over the CTA's key tiles, or
     with OWN_TILES those its own rows read (``args``: one tuple for both consumers, since a
     partition's arguments cannot be spliced); PAIRED_GROUP: ``_own_columns``."""
@@ -846,22 +845,14 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
     acc_l = gl.zeros([WG_ROWS, SUM_COLS], gl.float32, SUM)
     if num_tiles > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        if QK_AHEAD:  # tile 1's Q·K^T too (a last tile's: its own again, unread)
-            nxt = gl.minimum(own - 1, 1)
-            mbarrier.wait(k_ready.index(nxt), 0)
         _take_turn(turn, WG, 0, CONSUMERS)
         s_tok = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
-        if QK_AHEAD:
-            s_next = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)), zero_s,
-                                   use_acc=False, is_async=True)
         _pass_turn(turn, WG, CONSUMERS)
-        s = warpgroup_mma_wait(1 if QK_AHEAD else 0, deps=(s_tok,))
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
         every_key_read = BLOCK_N <= full
         p, m_i, l_i, alpha = _online(_scores(s, ks_smem, 0, QK), m_i, l_i, row_scale,
                                      row_end, 0, every_key_read, cols, CUDA_SUMS, LAZY_MAX)
-        if QK_AHEAD:
-            s = warpgroup_mma_wait(0, deps=(s_next,))
         if KV_RINGS:  # K and its scales are read; V has its own barrier
             mbarrier.arrive(k_empty.index(0), count=1)
             mbarrier.wait(v_ready.index(0), 0)
@@ -871,39 +862,24 @@ def _consumer(WG: gl.constexpr, args, PACK: gl.constexpr, BLOCK_N: gl.constexpr,
             cur = j % STAGES
             prev = (j - 1) % STAGES
             phase = (j // STAGES) & 1
-            if QK_AHEAD:  # tile j's scores are in ``s``; the next tile's Q·K^T goes now
-                nxt = gl.minimum(j + 1, own - 1)
-                mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            else:
-                mbarrier.wait(k_ready.index(cur), phase)
+            mbarrier.wait(k_ready.index(cur), phase)
             v_prev = _v_operand(v_smem, v16_smem, v16_ready, prev, j - 1)
             _take_turn(turn, WG, j, CONSUMERS)
-            # tile j's Q·K^T (QK_AHEAD: tile j+1's) and tile j-1's P·V back to back; the
-            # softmax of tile j then runs while they are on the tensor cores
-            if QK_AHEAD:
-                acc_tok = warpgroup_mma(p16, v_prev, acc, is_async=True)
-                l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
-                s_tok = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)),
-                                      zero_s, use_acc=False, is_async=True)
-            else:
-                s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
-                                      use_acc=False, is_async=True)
-                acc_tok = warpgroup_mma(p16, v_prev, acc, is_async=True)
-                l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
+            # tile j's Q·K^T and tile j-1's P·V back to back; the softmax of tile j then
+            # runs while P·V is on the tensor cores
+            s_tok = warpgroup_mma(q_buf, k_smem.index(cur).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(p16, v_prev, acc, is_async=True)
+            l_tok = _sum_mma(p16, ones_smem, acc_l, SUM)
             _pass_turn(turn, WG, CONSUMERS)
-            if not QK_AHEAD:
-                s = warpgroup_mma_wait(1 if CUDA_SUMS else 2, deps=(s_tok,))
+            s = warpgroup_mma_wait(1 if CUDA_SUMS else 2, deps=(s_tok,))
             every_key_read = (j + 1) * BLOCK_N <= full
             p, m_i, l_i, alpha = _online(_scores(s, ks_smem, cur, QK), m_i, l_i, row_scale,
                                          row_end, j * BLOCK_N, every_key_read, cols,
                                          CUDA_SUMS, LAZY_MAX)
-            if KV_RINGS and not QK_AHEAD:
+            if KV_RINGS:
                 mbarrier.arrive(k_empty.index(cur), count=1)
             acc, acc_l, p16 = _wait_pv(acc_tok, l_tok, p16, not CUDA_SUMS)
-            if QK_AHEAD:  # (done with P·V: the wait above is for every wgmma issued)
-                s = warpgroup_mma_wait(0, deps=(s_tok,))
-                if KV_RINGS:  # after the wait: a last tile's Q·K^T read this buffer again
-                    mbarrier.arrive(k_empty.index(cur), count=1)
             _release_after_pv(v_empty, v16_empty, prev, j - 1, v16_smem)
             if LAZY_MAX:
                 acc = _rescale(acc, alpha)
@@ -960,7 +936,7 @@ def ws_prefill_kernel(
     COPY_TPW_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     KV_RINGS: gl.constexpr, V_LOADER: gl.constexpr, SUM_MMA: gl.constexpr,
     LAZY_MAX: gl.constexpr, OWN_TILES: gl.constexpr, WG1_WIDENS: gl.constexpr,
-    LISTED: gl.constexpr, PAIRED_GROUP: gl.constexpr, QK_AHEAD: gl.constexpr,
+    LISTED: gl.constexpr, PAIRED_GROUP: gl.constexpr,
 ):
     """Grid (num_q_heads / PACK, query tiles, batch), or over a list (``_work``);
     num_warps = 4 (consumer 0, the default partition), plus consumer 1 (BLOCK_M 128), the
@@ -1072,8 +1048,7 @@ def ws_prefill_kernel(
     if WG1_WIDENS:  # consumer 1's warpgroup widens, with a consumer's registers
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP,
-                         QK_AHEAD)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_widener, (widens, STAGES, COPY_TPW_D, 4, WG1_WIDEN_VALUES)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
@@ -1081,11 +1056,9 @@ def ws_prefill_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP,
-                         QK_AHEAD)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_consumer, (1, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP,
-                         QK_AHEAD)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
@@ -1094,8 +1067,7 @@ def ws_prefill_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, rows, PACK, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CONSUMERS,
-                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP,
-                         QK_AHEAD)),
+                         COPY_TPW_D, KV_RINGS, LAZY_MAX, OWN_TILES, PAIRED_GROUP)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, True, K_AND_V)),
             (_producer, (loads, BLOCK_N, HEAD_DIM, PAGE, STAGES, KV_RINGS, False, V_LOADER)),
             (_widener, (widens, STAGES, COPY_TPW_D, WIDEN_WARPS, WIDEN_VALUES)),
@@ -1327,7 +1299,7 @@ def launch_args(call: PagedCall, out: torch.Tensor, plan: GluonPlan, q: torch.Te
                        KV_RINGS=plan.kv_rings, V_LOADER=plan.v_loader,
                        SUM_MMA=plan.sum_mma, LAZY_MAX=plan.lazy_max,
                        OWN_TILES=plan.own_tiles, WG1_WIDENS=plan.wg1_widens,
-                       PAIRED_GROUP=g.group if plan.kv_pairs else 0, QK_AHEAD=plan.qk_ahead,
+                       PAIRED_GROUP=g.group if plan.kv_pairs else 0,
                        maxnreg=plan.maxnreg)
     args = (*tensors, call.block_table, call.seq_lens, call.query_start_loc, out,
             call.scale * LOG2E, g.num_tokens, g.num_q_heads, g.num_blocks, g.max_blocks,

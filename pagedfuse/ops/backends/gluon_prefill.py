@@ -223,9 +223,7 @@ class GluonPlan:
     tile is not half empty, and whether a consumer stores its rows by TMA boxes where every
     row is in the query and the query came by TMA, from a buffer of the output's type that
     no one reads any more: the 16-bit query's, or with INT8 K a 16-bit V cache's (``o_tma``;
-    else each thread stores its own values), and whether a consumer issues the next key
-    tile's Q·K^T before this tile's softmax (``qk_ahead``: the softmax then never waits for
-    its scores, for a second score tile's registers and a third buffer of the ring)."""
+    else each thread stores its own values)."""
 
     block_m: int = 128
     pack: int = 1
@@ -245,7 +243,6 @@ class GluonPlan:
     wg1_widens: bool = False
     kv_pairs: bool = False
     o_tma: bool = False
-    qk_ahead: bool = False
 
     @property
     def rows(self) -> int:
@@ -430,7 +427,7 @@ def _as_cp(plan: GluonPlan) -> GluonPlan:
     return dataclasses.replace(plan, pipeline="cp", block_n=128, stages=3, kv_rings=False,
                                v_loader=False, sum_mma=False, lazy_max=False,
                                own_tiles=False, ctas_per_sm=1, wg1_widens=False,
-                               kv_pairs=False, o_tma=False, qk_ahead=False)
+                               kv_pairs=False, o_tma=False)
 
 
 def _ws_tiles(kind: str, head_dim: int) -> tuple[int, int, bool, bool]:
@@ -567,7 +564,7 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.kv_rings and plan.pipeline != "ws":
         raise ValueError(f"plan: kv_rings: the {plan.pipeline!r} pipeline has one ring of K "
                          "and V buffers (kv_rings is for 'ws')")
-    for flag in ("sum_mma", "lazy_max", "own_tiles", "o_tma", "qk_ahead"):
+    for flag in ("sum_mma", "lazy_max", "own_tiles", "o_tma"):
         if getattr(plan, flag) and plan.pipeline != "ws":
             raise ValueError(f"plan: {flag} is for the 'ws' pipeline, not {plan.pipeline!r}")
     if plan.sum_mma and call.kind == "int8_kv":
@@ -576,10 +573,6 @@ def check_plan(call: PagedCall, plan: GluonPlan) -> None:
     if plan.lazy_max and call.kind == "int8_kv":
         raise ValueError("plan: lazy_max needs a 16-bit V cache (with INT8 V, weights of "
                          "up to 2**8 times a V scale above 256 overflow P' in fp16)")
-    if plan.qk_ahead and plan.stages < 3 and not plan.kv_rings:
-        raise ValueError(f"plan: qk_ahead needs stages >= 3 without kv_rings, not "
-                         f"{plan.stages} (a consumer holds tile j-1's buffer for P·V, tile j's "
-                         "and tile j+1's for Q·K^T)")
     if plan.v_loader and not plan.kv_rings:
         raise ValueError("plan: v_loader needs kv_rings (without them one barrier pair "
                          "serves K and V, which one warp loads)")
