@@ -186,15 +186,16 @@ MAX_HEAD_DIM_64_ROWS = 128
 # Buffers where the second warpgroup widens INT8 V (wg1_widens; _plan says why)
 WG1_WIDENS_STAGES = 4
 # Two KV heads as one (kv_pairs) for 16-bit short queries at these head dims, where a tile of
-# one KV head's group would be at most half full and the pairs' CTAs (one per sequence and
-# pair) still fill at least PAIRS_MIN_FILL of a CTA per SM. On the H200 at head_dim 64
-# (tinyllama: 32 query heads, 4 KV heads, L=8192), in turns against the unpaired default
-# (bench_prefill.py --gluon-ab, record gluon_ab_h200_2026-12-03_kv_pairs.json): at B=64 (128
-# paired CTAs on 132 SMs) 0.921x the time at q_len 4 (0.1407 ms against 0.1527, 89% of the
-# byte floor against 82%), 0.919x at q_len 2 and 1; at B=16 and B=8 (32 and 16 paired CTAs)
-# 1.30-1.33x, the SMs left idle costing more than the rows saved
+# one KV head's group would be at most half full, and only where the unpaired tiles (a CTA
+# per sequence and KV head) would take more than one CTA per SM: pairing then saves a wave,
+# else it leaves SMs idle. On the H200 at head_dim 64 (tinyllama: 32 query heads, 4 KV
+# heads, L=8192, q_len 4), in turns against the unpaired default (bench_prefill.py
+# --gluon-ab, records gluon_ab_h200_2026-12-03_kv_pairs.json and
+# gluon_ab_h200_2026-12-04_kv_pairs_fill.json), by batch (unpaired CTAs on 132 SMs): 0.733x
+# the time at B=34 (136), 0.750x at 40, 0.797x at 48 (0.795x at q_len 2), 0.865x at 56,
+# 0.921x at 64 (256; 0.919x at q_len 2 and 1); but 1.20x at B=32 (128), 1.29x at 24, 1.30x
+# at 16 and 1.33x at 8
 PAIRS_HEAD_DIMS = frozenset((64,))
-PAIRS_MIN_FILL = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +363,7 @@ def _plan(call: PagedCall, query_bound: int) -> GluonPlan:
     """default_plan for queries of up to ``query_bound`` tokens."""
     group, queries = call.geometry.group, max(min(query_bound, 128), 1)
     kv_pairs = (call.geometry.head_dim in PAIRS_HEAD_DIMS and 2 * group * queries <= 64
-                and call.geometry.batch * call.geometry.num_kv_heads // 2
-                >= PAIRS_MIN_FILL * sm_count(call.device)
+                and call.geometry.batch * call.geometry.num_kv_heads > sm_count(call.device)
                 and _pairs_unsupported(call) is None)
     group, head_dim = kernel_heads(call, kv_pairs)
     pack = max(d for d in range(1, group + 1) if group % d == 0 and d * queries <= 128)
