@@ -6,9 +6,9 @@ for INT8 caches, their scales): one float out per program. Its best time over a 
 pipeline and split settings is timed (timing.bench: a CUDA graph replay after the
 L2 flush), for bf16 caches on the same bytes laid out four ways: the contiguous
 [B, Hkv, L, D] K/V that contiguous SDPA reads (as 16-token pages in order), the table's
-random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K+V
-caches on random pages in NHD and HND. Next to them: contiguous bf16 SDPA (the best of cuDNN
-and flash) and pagedfuse's decode of the same cache. Where the reader itself misses a
+random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K
+and INT8 K+V caches on random pages in NHD and HND. Next to them: contiguous bf16 SDPA (the
+best of cuDNN and flash) and pagedfuse's decode of the same cache. Where the reader itself misses a
 target's ratio to SDPA, a decode would have to read the pages faster than a kernel that does
 nothing else::
 
@@ -40,8 +40,8 @@ REPS = dict(warmup=5, rep=20)
 @triton.jit
 def _read_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, n_pages, splits, chunk,
                 s_block, s_token, s_head, ss_block, ss_token, ss_head, s_table,
-                HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SCALES: tl.constexpr,
-                STAGES: tl.constexpr):
+                HEADS: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, K_SCALES: tl.constexpr,
+                V_SCALES: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     split, rest = pid % splits, pid // splits
     row, head = rest // HEADS, rest % HEADS
@@ -56,9 +56,11 @@ def _read_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, n_pages, split
         base = block * s_block + head * s_head
         acc += tl.load(k_ptr + base + offs).to(tl.float32)
         acc += tl.load(v_ptr + base + offs).to(tl.float32)
-        if SCALES:
-            at = block * ss_block + head * ss_head + tokens * ss_token
-            scale_acc += tl.load(ks_ptr + at) + tl.load(vs_ptr + at)
+        at = block * ss_block + head * ss_head + tokens * ss_token
+        if K_SCALES:
+            scale_acc += tl.load(ks_ptr + at)
+        if V_SCALES:
+            scale_acc += tl.load(vs_ptr + at)
     tl.store(out_ptr + pid, tl.sum(acc) + tl.sum(scale_acc))
 
 
@@ -67,21 +69,22 @@ def page_reader(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, warps: in
                 vs: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """A call that reads every page ``table`` lists from the [blocks, page, H, D] views k
     and v (any strides, D innermost) for each of their H heads, and with INT8 caches the
-    pages' scales ks, vs ([blocks, page, H] views): [rows * H * splits] sums."""
+    pages' scales ks, vs ([blocks, page, H] views; INT8 K: vs None): [rows * H * splits]
+    sums."""
     _, page, heads, d = k.shape
     assert k.stride() == v.stride() and k.stride(3) == 1, "K and V laid out alike, D inner"
-    assert (ks is None) == (vs is None) and (ks is None or ks.stride() == vs.stride())
+    assert vs is None or ks is not None and ks.stride() == vs.stride(), "V scales: K's too"
     out = torch.empty(table.shape[0] * heads * splits, device=k.device, dtype=torch.float32)
     n_pages = table.shape[1]
     chunk = -(-n_pages // splits)
-    scales = ks is not None
-    ks_, vs_ = (ks, vs) if scales else (k, v)  # placeholders, never read
-    s_scales = ks.stride() if scales else (0, 0, 0)
+    ks_, vs_ = (k if ks is None else ks), (v if vs is None else vs)  # placeholders unread
+    s_scales = (0, 0, 0) if ks is None else ks.stride()
 
     def call() -> torch.Tensor:
         _read_pages[(out.numel(),)](k, v, ks_, vs_, table, out, n_pages, splits, chunk,
                                     *k.stride()[:3], *s_scales, table.stride(0), HEADS=heads,
-                                    PAGE=page, D=d, SCALES=scales, STAGES=stages,
+                                    PAGE=page, D=d, K_SCALES=ks is not None,
+                                    V_SCALES=vs is not None, STAGES=stages,
                                     num_warps=warps)
         return out
 
@@ -106,7 +109,7 @@ def best_us(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, batch: int,
             ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> float:
     """The reader's fastest median over CONFIGS (and, at small batches, split counts), once
     its sums over all the pages are seen to match the sum of all of K, V and the scales."""
-    scales = () if ks is None else (ks, vs)
+    scales = tuple(x for x in (ks, vs) if x is not None)
     reference = _total(k, v, *scales)
     total = float(page_reader(k, v, table, *CONFIGS[0], 1, ks, vs)().double().sum())
     if abs(total - reference) > 1e-4 * (abs(reference) + 1e4):
@@ -146,7 +149,7 @@ def measure(kind: str, geo: tuple[int, int, int], batch: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", choices=("bf16", "int8_kv"), default="bf16")
+    parser.add_argument("--kind", choices=("bf16", "int8_k", "int8_kv"), default="bf16")
     parser.add_argument("--geos", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--batch", type=int, default=64)
