@@ -532,37 +532,20 @@ def _load_q_boxes(q_desc, q_smem, bar, q_row, q_col):
 
 
 @gluon.jit
-def _tile_pages(bt_row_ptr, start, seq_len, num_blocks, stride_btn, BLOCK_N: gl.constexpr,
-                PAGE: gl.constexpr):
-    """The block ids of key tile ``start``'s pages (one per TMA box of ``_fill``; 0 past the
-    sequence), every one in every thread's registers: one round trip for the tile, where a
-    load before each page's boxes made one per page on the producer's path."""
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    BOXES: gl.constexpr = BLOCK_N // BOX
-    ALL: gl.constexpr = gl.BlockedLayout([BOXES], [32], [1], [0])
-    keys = start + gl.arange(0, BOXES, ALL) * BOX
-    ok = keys < seq_len
-    ids = gl.load(bt_row_ptr + (keys // PAGE) * stride_btn, mask=ok, other=0)
-    return _cache_blocks(ids, num_blocks).to(gl.int32)
-
-
-@gluon.jit
 def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, k_scale, v_scale,
-          page_ids, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
-          BLOCK_N: gl.constexpr, PAGE: gl.constexpr, SCALED: gl.constexpr):
+          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N: gl.constexpr,
+          PAGE: gl.constexpr, SCALED: gl.constexpr):
     """Key tile ``start`` of the K cache ``k`` and the V cache ``v`` (``_page_boxes``'
     tuples; None: not this call's) into their buffers ``i``, signalling ``bar``: a TMA box
-    per page (``page_ids``: ``_tile_pages``) and swizzle span, or for the tile that reaches
-    past the sequence's last key cp.async, zero-filled past it (a slot there may hold any
-    bits); then the scales."""
+    per page and swizzle span, or for the tile that reaches past the sequence's last key
+    cp.async, zero-filled past it (a slot there may hold any bits); then the scales."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    BOXES: gl.constexpr = BLOCK_N // BOX
     if start + BLOCK_N <= seq_len:
         mbarrier.expect(bar, TILE_BYTES)
-        which = gl.arange(0, BOXES, page_ids.type.layout)
-        for p in gl.static_range(BOXES):
+        for p in gl.static_range(BLOCK_N // BOX):
             key = start + p * BOX
-            page_blk = gl.sum(gl.where(which == p, page_ids, 0), axis=0)  # a register's
+            page_blk = _cache_blocks(gl.load(bt_row_ptr + (key // PAGE) * stride_btn),
+                                     num_blocks).to(gl.int32)
             if k is not None:
                 _page_boxes(k, bar, page_blk, key % PAGE, p, BOX)
             if v is not None:
@@ -617,10 +600,8 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
             i = j % STAGES
             phase = ((j // STAGES) & 1) ^ 1
             start = j * BLOCK_N
-            # the pages' block ids and the scales (of a tile in the sequence), loaded before
-            # waiting for the buffer so that their latency overlaps the wait
-            pages = _tile_pages(bt_row_ptr, start, seq_len, num_blocks, stride_btn, BLOCK_N,
-                                PAGE)
+            # the scales (of a tile in the sequence), loaded before waiting for the buffer so
+            # that their latency overlaps the wait
             if K_SCALED or V_SCALED:
                 offs = start + gl.arange(0, BLOCK_N, KEYS)
                 ok = offs < seq_len
@@ -641,16 +622,16 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
             if KV_RINGS:
                 if LOAD_K:
                     _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, k_scale, None,
-                          pages, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
-                          BLOCK_N, PAGE, K_SCALED)
+                          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
+                          PAGE, K_SCALED)
                 if LOAD_V:
                     mbarrier.wait(v_empty.index(i), phase)
                     _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, None, v_scale,
-                          pages, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
-                          BLOCK_N, PAGE, V_SCALED)
+                          bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
+                          PAGE, V_SCALED)
             else:
                 _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, k_scale,
-                      v_scale, pages, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
+                      v_scale, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
                       BLOCK_N, PAGE, K_SCALED or V_SCALED)
 
 
