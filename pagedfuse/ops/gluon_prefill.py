@@ -462,11 +462,9 @@ def _box(buf, chunk, row, rows: gl.constexpr, desc):
 
 
 @gluon.jit
-def _copy_scales(buf, s_ptr, st, blk, slot, kvh, ok):
-    """cp.async of an int8 cache's per-token scales (``st``: its (block, token,
-    head) strides) into ``buf``."""
-    cp.async_copy_global_to_shared(buf, s_ptr + blk * st[0] + slot * st[1] + kvh * st[2],
-                                   mask=ok)
+def _scales(s_ptr, st, blk, slot, kvh, ok):
+    """Per-token scales of an int8 cache (``st``: its (block, token, head) strides)."""
+    return gl.load(s_ptr + blk * st[0] + slot * st[1] + kvh * st[2], mask=ok, other=0.0)
 
 
 @gluon.jit
@@ -493,18 +491,13 @@ def _copy_tail(buf, r, desc, ptr, st, bt_row_ptr, start, end, kvh, num_blocks, s
 
 
 @gluon.jit
-def _copy_tile_scales(ks_smem, vs_smem, i, scales, bar):
-    """cp.async of a key tile's key and value scales into buffers ``i`` (a None buffer: that
-    cache is 16-bit, or not this call's), ``bar`` completing only once they are in, so that
-    the producer never waits for them (loaded into its registers first, they held it a
-    DRAM round trip a tile). ``scales``: (ks_ptr, ks_st, vs_ptr, vs_st, blocks, slots, kvh,
-    ok) of the tile's keys."""
-    ks_ptr, ks_st, vs_ptr, vs_st, blk, slot, kvh, ok = scales
-    if ks_smem is not None:
-        _copy_scales(ks_smem.index(i), ks_ptr, ks_st, blk, slot, kvh, ok)
-    if vs_smem is not None:
-        _copy_scales(vs_smem.index(i), vs_ptr, vs_st, blk, slot, kvh, ok)
-    cp.mbarrier_arrive(bar)
+def _store_scales(ks_smem, vs_smem, i, k_scale, v_scale):
+    """A tile's key and value scales (None: that cache is 16-bit, or not this tile's) into
+    buffer ``i``."""
+    if k_scale is not None:
+        ks_smem.index(i).store(k_scale)
+    if v_scale is not None:
+        vs_smem.index(i).store(v_scale)
 
 
 @gluon.jit
@@ -539,14 +532,13 @@ def _load_q_boxes(q_desc, q_smem, bar, q_row, q_col):
 
 
 @gluon.jit
-def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, scales,
+def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, k_scale, v_scale,
           bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N: gl.constexpr,
           PAGE: gl.constexpr, SCALED: gl.constexpr):
     """Key tile ``start`` of the K cache ``k`` and the V cache ``v`` (``_page_boxes``'
     tuples; None: not this call's) into their buffers ``i``, signalling ``bar``: a TMA box
     per page and swizzle span, or for the tile that reaches past the sequence's last key
-    cp.async, zero-filled past it (a slot there may hold any bits); then (SCALED) the
-    scales (``_copy_tile_scales``)."""
+    cp.async, zero-filled past it (a slot there may hold any bits); then the scales."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     if start + BLOCK_N <= seq_len:
         mbarrier.expect(bar, TILE_BYTES)
@@ -558,11 +550,9 @@ def _fill(k, v, bar, TILE_BYTES: gl.constexpr, ks_smem, vs_smem, i, scales,
                 _page_boxes(k, bar, page_blk, key % PAGE, p, BOX)
             if v is not None:
                 _page_boxes(v, bar, page_blk, key % PAGE, p, BOX)
-        if SCALED:
-            _copy_tile_scales(ks_smem, vs_smem, i, scales, bar)
+        _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)
     else:  # the tile past the sequence's last key, zero-filled there
-        if SCALED:
-            _copy_tile_scales(ks_smem, vs_smem, i, scales, bar)  # (0 there)
+        _store_scales(ks_smem, vs_smem, i, k_scale, v_scale)  # (0 there; first: registers)
         for r in gl.static_range(0, BLOCK_N, 8):
             if k is not None:
                 _copy_tail(k[0], r, k[1], k[2], k[3], bt_row_ptr, start, seq_len, kvh,
@@ -610,34 +600,39 @@ def _producer(args, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.cons
             i = j % STAGES
             phase = ((j // STAGES) & 1) ^ 1
             start = j * BLOCK_N
-            # the keys' blocks for their scales (of a tile in the sequence), loaded before
-            # waiting for the buffer so that their latency overlaps the wait
+            # the scales (of a tile in the sequence), loaded before waiting for the buffer so
+            # that their latency overlaps the wait
             if K_SCALED or V_SCALED:
                 offs = start + gl.arange(0, BLOCK_N, KEYS)
                 ok = offs < seq_len
                 blk = _cache_blocks(gl.load(bt_row_ptr + (offs // PAGE) * stride_btn, mask=ok,
                                             other=0), num_blocks)
-                scales = (ks_ptr, ks_st, vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
+            if K_SCALED:
+                k_scale = _scales(ks_ptr, ks_st, blk, offs % PAGE, kvh, ok)
             else:
-                scales: gl.constexpr = None
+                k_scale: gl.constexpr = None
+            if V_SCALED:
+                v_scale = _scales(vs_ptr, vs_st, blk, offs % PAGE, kvh, ok)
+            else:
+                v_scale: gl.constexpr = None
             if LOAD_K:  # (one ring: K's barrier pair is V's too)
                 mbarrier.wait(k_empty.index(i), phase)
             k = (k_smem.index(i), k_desc, k_ptr, k_st, k_per_block, k_row0, k_col)
             v = (v_smem.index(i), v_desc, v_ptr, v_st, v_per_block, v_row0, v_col)
             if KV_RINGS:
                 if LOAD_K:
-                    _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, scales,
+                    _fill(k, None, k_ready.index(i), K_BYTES, ks_smem, None, i, k_scale, None,
                           bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
                           PAGE, K_SCALED)
                 if LOAD_V:
                     mbarrier.wait(v_empty.index(i), phase)
-                    _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, scales,
+                    _fill(None, v, v_ready.index(i), V_BYTES, None, vs_smem, i, None, v_scale,
                           bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N,
                           PAGE, V_SCALED)
             else:
-                _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, scales,
-                      bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn, BLOCK_N, PAGE,
-                      K_SCALED or V_SCALED)
+                _fill(k, v, k_ready.index(i), K_BYTES + V_BYTES, ks_smem, vs_smem, i, k_scale,
+                      v_scale, bt_row_ptr, start, seq_len, kvh, num_blocks, stride_btn,
+                      BLOCK_N, PAGE, K_SCALED or V_SCALED)
 
 
 @gluon.jit
@@ -1102,6 +1097,13 @@ def _copy_keys(k_buf, v_buf, k_ptr, v_ptr, k_st, v_st, bt_row_ptr, start, end, k
     cp.async_copy_global_to_shared(v_buf, v_ptr + v_row[:, None] + offs_d[None, :],
                                    mask=ok[:, None])
     return blk, slot, ok
+
+
+@gluon.jit
+def _copy_scales(buf, s_ptr, st, blk, slot, kvh, ok):
+    """cp.async of an int8 cache's per-token scales (keys from ``_copy_keys``) into ``buf``."""
+    cp.async_copy_global_to_shared(buf, s_ptr + blk * st[0] + slot * st[1] + kvh * st[2],
+                                   mask=ok)
 
 
 @gluon.jit
