@@ -8,9 +8,9 @@ L2 flush), for bf16 caches on the same bytes laid out four ways: the contiguous
 [B, Hkv, L, D] K/V that contiguous SDPA reads (as 16-token pages in order), the table's
 random 16-token pages (NHD), the same pages in order, and random pages in HND; for INT8 K
 and INT8 K+V caches on random pages in NHD and HND. Next to them: contiguous bf16 SDPA (the
-best of cuDNN and flash) and pagedfuse's decode of the same cache. Where the reader itself misses a
-target's ratio to SDPA, a decode would have to read the pages faster than a kernel that does
-nothing else::
+best of cuDNN and flash) and pagedfuse's decode of the same cache. Where the reader itself
+misses a target's ratio to SDPA, a decode would have to read the pages faster than a kernel
+that does nothing else::
 
     python benchmarks/tuning/page_read.py                          # bf16, B=64, L=8192 and 32768
     python benchmarks/tuning/page_read.py --kind int8_kv --batch 8 --lengths 32768 --flush read
