@@ -388,6 +388,28 @@ def bench_ms(fn: Callable) -> float:
     return timed(fn)[0]
 
 
+def write_probe(path: str, probe: str, how: str, rows: list[dict]) -> None:
+    """A tuning probe's record: what it measured, when and where, how (its docstring), and
+    its rows."""
+    Path(path).write_text(json.dumps({
+        "probe": probe, "date": datetime.date.today().isoformat(),
+        "gpu": f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "how": how, "rows": rows}, indent=1))
+
+
+def in_turns(fns: dict[str, Callable], rounds: int = AB_ROUNDS) -> dict[str, float]:
+    """The median ms (bench_ms) of each of ``fns`` (zero-argument calls, each run once
+    first), timed in turns over ``rounds`` rounds, so that the clock's and the
+    temperature's drift reaches them all alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.float()
     if not torch.isfinite(out).all():
@@ -670,14 +692,8 @@ def run_gluon_ab(args) -> list[dict]:
                 call = case.call(kind)
                 plans = gluon_variants(call, args.gluon_ab)
                 outs = {n: torch.full_like(case.q, float("nan")) for n in plans}
-                for n, plan in plans.items():
-                    prefill_into(call, outs[n], plan)
-                times = {n: [] for n in plans}
-                for _ in range(AB_ROUNDS):
-                    for n, plan in plans.items():
-                        times[n].append(bench_ms(
-                            lambda c=call, o=outs[n], p=plan: prefill_into(c, o, p)))
-                ms = {n: statistics.median(t) for n, t in times.items()}
+                ms = in_turns({n: lambda c=call, o=outs[n], p=plan: prefill_into(c, o, p)
+                               for n, plan in plans.items()})
                 row = {"geometry": gname, "batch": shape[0], "seq_len": shape[1],
                        "q_len": shape[2], "kind": kind,
                        "plans": {n: p.__dict__ for n, p in plans.items()}, "ms": ms,

@@ -14,9 +14,6 @@ against fp32 attention on the unquantized K/V over that of fp32 dequantize-then-
 
 from __future__ import annotations
 
-import datetime
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +26,7 @@ import bench_prefill as bp  # noqa: E402
 from pagedfuse import envs  # noqa: E402
 
 ROUNDS = 3
+PROBE = "INT8 K+V prefill: V widened in the Gluon kernel against a dequantized copy"
 # between bench_prefill's q_len 64 and 512 cases, where DEQUANT_V_FROM's crossover lies
 # (bench_prefill's cases have none there)
 BETWEEN = ((16, 4096, 128), (8, 4096, 256))
@@ -72,16 +70,11 @@ def main(path: str, only_below: bool = False) -> None:
             refs = bp.references(case)
             call = case.call("int8_kv")
             runners = _runners(call)
-            times: dict[str, list[float]] = {name: [] for name in runners}
-            for fn, _ in runners.values():
-                fn()
-            for _ in range(ROUNDS):
-                for name, (fn, _) in runners.items():
-                    times[name].append(bp.bench_ms(fn))
+            ms = bp.in_turns({name: fn for name, (fn, _) in runners.items()}, ROUNDS)
             deq = bp.rel_err(refs["int8_kv"], refs["fp32"])
             for name, (_, out) in runners.items():
                 row = {"geometry": g, "case": case.name, "way": name,
-                       "ms": statistics.median(times[name]),
+                       "ms": ms[name],
                        "copy_mb": gluon_prefill.compact_bytes(call) / 2**20,
                        "taken": gluon_prefill.dequantizes_v(call)}
                 if out is not None:
@@ -90,11 +83,7 @@ def main(path: str, only_below: bool = False) -> None:
                 print(row, flush=True)
             del case, refs, runners
             torch.cuda.empty_cache()
-    Path(path).write_text(json.dumps({
-        "probe": "INT8 K+V prefill: V widened in the Gluon kernel against a dequantized copy",
-        "date": datetime.date.today().isoformat(),
-        "gpu": f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
-        "how": __doc__, "rows": rows}, indent=1))
+    bp.write_probe(path, PROBE, __doc__, rows)
 
 
 if __name__ == "__main__":

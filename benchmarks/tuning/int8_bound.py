@@ -26,10 +26,7 @@ Each point is a CUDA graph replay (bench_prefill's bench_ms), the median of ROUN
 from __future__ import annotations
 
 import contextlib
-import datetime
 import importlib.util
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,6 +41,7 @@ import bench_prefill as bp  # noqa: E402
 import pagedfuse.ops  # noqa: E402
 
 ROUNDS = 5
+PROBE = "INT8 K prefill with bf16's softmax: the scores' add and key scale taken out"
 GEOMETRIES = ("llama3_8b", "qwen35", "tinyllama")  # the 1.3x bar's 128 and 256, and 64
 CASES = ((1, 8192, 8192), (1, 16384, 2048), (8, 2048, 2048))  # prompts and 2K chunks
 MAGIC = gl.constexpr(0x4B400000)
@@ -119,13 +117,7 @@ def measure(path: str) -> None:
             case = bp.Case(bp.GEOMETRIES[g], *shape)
             refs = bp.references(case)
             ways = runners(case)
-            times: dict[str, list[float]] = {name: [] for name in ways}
-            for fn, _ in ways.values():
-                fn()
-            for _ in range(ROUNDS):
-                for name, (fn, _) in ways.items():
-                    times[name].append(bp.bench_ms(fn))
-            ms = {name: statistics.median(t) for name, t in times.items()}
+            ms = bp.in_turns({name: fn for name, (fn, _) in ways.items()}, ROUNDS)
             row = {"geometry": g, "case": case.name, "ms": ms,
                    "speed_over_bf16": {n: ms["bf16"] / t for n, t in ms.items()},
                    "tflops": {n: case.flops() / t / 1e9 for n, t in ms.items()},
@@ -137,11 +129,7 @@ def measure(path: str) -> None:
                                  for n, t in ms.items()}, flush=True)
             del case, refs, ways
             torch.cuda.empty_cache()
-    Path(path).write_text(json.dumps({
-        "probe": "INT8 K prefill with bf16's softmax: the scores' add and key scale taken out",
-        "date": datetime.date.today().isoformat(),
-        "gpu": f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
-        "how": __doc__, "rows": rows}, indent=1))
+    bp.write_probe(path, PROBE, __doc__, rows)
 
 
 @contextlib.contextmanager
