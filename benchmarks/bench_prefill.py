@@ -69,6 +69,7 @@ CASES = ((1, 8192, 8192), (1, 16384, 2048), (4, 8192, 512), (8, 2048, 2048), (16
          (64, 8192, 4))
 SWEEP_CASES = ((1, 8192, 8192), (1, 16384, 2048))
 GLUON_SWEEP_CASES = ((1, 8192, 8192), (8, 2048, 2048))  # long tiles, and short ones
+PROMPT_CASES = ((1, 8192, 8192), (1, 16384, 2048), (8, 2048, 2048))  # prompts and 2K chunks
 AB_ROUNDS = 3  # --gluon-ab: each variant timed this many times, in turns
 REPS = {"warmup": 25, "rep": 100}  # do_bench's ms of warm-up and of timed replays per entry
 SHORT_Q = 8  # speculative decoding's q_len 2-8: the short-query sweep and the unhinted op

@@ -29,7 +29,7 @@ CASES = {
               ("tinyllama", "int8_kv", (64, 8192, 4)), ("llama3_8b", "int8_kv", (64, 8192, 4)),
               ("llama3_8b", "int8_kv", (16, 4096, 64))),
     "prompts": tuple((g, kind, shape) for g in bp.GEOMETRIES for kind in ("bf16", "int8_k")
-                     for shape in ((1, 8192, 8192), (1, 16384, 2048), (8, 2048, 2048))),
+                     for shape in bp.PROMPT_CASES),
 }
 
 

@@ -13,9 +13,10 @@ variants compile as kernels of their own and run in turns in one process:
 - ``int8_k_l2``: as shipped but each tile's key scales those of block 0's slots, so that
   their loads wait for no block id and find L2 warm.
 
-``add`` and the ``bare`` ones compute wrong numbers (they time the loop, not the output), so only
-``int8_k``'s error is reported. ``bare`` over bf16 bounds what any INT8 K softmax on this
-kernel could reach::
+Every variant but ``int8_k`` computes wrong numbers (they time the kernel, not its output),
+so only ``int8_k``'s error is reported. Over bf16, ``int8_k_ns`` bounds what an INT8 K kernel
+of this design could reach with the per-score steps it needs, ``bare_ns`` what it could
+with none of them::
 
     python benchmarks/tuning/int8_bound.py out.json   # H200: every variant and bf16, in turns
     python benchmarks/tuning/int8_bound.py --asm      # offline sm_90: registers, spills, loop
@@ -43,7 +44,7 @@ import pagedfuse.ops  # noqa: E402
 ROUNDS = 5
 PROBE = "INT8 K prefill with bf16's softmax: the scores' add and key scale taken out"
 GEOMETRIES = ("llama3_8b", "qwen35", "tinyllama")  # the 1.3x bar's 128 and 256, and 64
-CASES = ((1, 8192, 8192), (1, 16384, 2048), (8, 2048, 2048))  # prompts and 2K chunks
+CASES = bp.PROMPT_CASES
 MAGIC = gl.constexpr(0x4B400000)
 
 
@@ -135,13 +136,14 @@ def measure(path: str) -> None:
 @contextlib.contextmanager
 def _as_kernel_module(module):
     """prefill_asm.compile_gluon imports pagedfuse.ops.gluon_prefill: give it ``module``."""
+    import pagedfuse.ops.gluon_prefill as canonical
+
     name = "pagedfuse.ops.gluon_prefill"
-    saved = sys.modules.get(name), getattr(pagedfuse.ops, "gluon_prefill", None)
-    sys.modules[name], pagedfuse.ops.gluon_prefill = module, module
+    sys.modules[name] = pagedfuse.ops.gluon_prefill = module
     try:
         yield
     finally:
-        sys.modules[name], pagedfuse.ops.gluon_prefill = saved
+        sys.modules[name] = pagedfuse.ops.gluon_prefill = canonical
 
 
 def offline() -> None:
